@@ -1,0 +1,76 @@
+"""The format base class and the registry every ggml tensor type joins.
+
+A format is one small class: its ggml type id, block geometry and the kernels that move
+between float32 rows and raw GGUF block bytes. Subclasses implement the ``_cpu_*`` and
+``_cuda_*`` hooks on already validated, C-contiguous 2-D arrays; the public wrappers in
+``ds4tools.formats`` do the checking, reshaping and dispatch, once for every format.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+FORMATS: dict[str, "QuantFormat"] = {}
+_BY_TYPE: dict[int, "QuantFormat"] = {}
+
+
+def register(cls):
+    """Class decorator: instantiate a format and add it to the registry."""
+    fmt = cls()
+    FORMATS[fmt.name] = fmt
+    _BY_TYPE[int(fmt.ggml_type)] = fmt
+    return cls
+
+
+def format_for_type(ggml_type) -> "QuantFormat | None":
+    return _BY_TYPE.get(int(ggml_type))
+
+
+def _missing(fmt, what):
+    # Hooks a subclass leaves out: a clear error rather than a silent wrong result.
+    raise TypeError(f"format {fmt.name} does not implement a {what}")
+
+
+class QuantFormat:
+    #: name as ggml spells it ("Q4_K")
+    name: str = ""
+    ggml_type: GGMLQuantizationType
+    #: elements per block and bytes per block (1 and the element size for float types)
+    block_size: int = 1
+    type_size: int = 4
+    #: whether ggml's quantizer takes importance weights for this type
+    uses_imatrix: bool = False
+    #: whether ggml refuses to quantize this type without them
+    requires_imatrix: bool = False
+
+    # --- geometry -------------------------------------------------------------------------
+    def row_bytes(self, n_per_row: int) -> int:
+        return n_per_row // self.block_size * self.type_size
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.type_size / self.block_size
+
+    # --- kernels (x: float32 (rows, n) C-contiguous and finite; raw: uint8 (rows, row_bytes)) -
+    def _cpu_quantize(self, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+        return _missing(self, "CPU quantizer")
+
+    def _cpu_dequantize(self, raw: np.ndarray, n_per_row: int) -> np.ndarray:
+        return _missing(self, "CPU dequantizer")
+
+    def _cpu_matmul(self, raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """out[t, r] = sum_i W[r, i] * x[t, i] with W decoded on the fly from raw blocks.
+
+        The reduction order for one (r, t) pair must not depend on how many rows t the call
+        carries: one token alone and the same token inside a batch give bit-identical results.
+        """
+        return _missing(self, "fused CPU matmul")
+
+    def _cuda_quantize(self, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+        return _missing(self, "CUDA quantizer")
+
+    def _cuda_dequantize(self, raw: np.ndarray, n_per_row: int) -> np.ndarray:
+        return _missing(self, "CUDA dequantizer")
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}: {self.block_size} x {self.type_size} B>"

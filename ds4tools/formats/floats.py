@@ -1,0 +1,199 @@
+"""F32, F16 and BF16: element-wise conversion, rounding exactly as ggml does (nearest even)."""
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from .base import QuantFormat, register
+from ._numeric import FP16_TO_FP32
+
+
+@njit(cache=True)
+def f32_bits_to_f16(u):
+    """float32 bit pattern -> fp16 bit pattern, round to nearest even (NaN stays a quiet NaN)."""
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:
+        return sign | 0x7E00
+    if a >= 0x477FF000:  # 65520 and above round to infinity
+        return sign | 0x7C00
+    if a < 0x38800000:  # below 2**-14: an fp16 subnormal, value = k * 2**-24
+        if a < 0x33000000:  # at most 2**-25: rounds to zero (a tie goes to the even zero)
+            return sign
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - (a >> 23)
+        k = m >> shift
+        rem = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and (k & 1)):
+            k += 1
+        return sign | k
+    k = (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3FF)
+    rem = a & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (k & 1)):
+        k += 1
+    return sign | k
+
+
+@njit(parallel=True, cache=True)
+def _quantize_f16(bits, out):
+    rows, n = bits.shape
+    for r in prange(rows):
+        for i in range(n):
+            out[r, i] = f32_bits_to_f16(np.int64(bits[r, i]))
+
+
+@njit(parallel=True, cache=True)
+def _quantize_bf16(bits, out):
+    rows, n = bits.shape
+    for r in prange(rows):
+        for i in range(n):
+            u = np.int64(bits[r, i])
+            if (u & 0x7FFFFFFF) > 0x7F800000:
+                out[r, i] = (u >> 16) | 64
+            else:
+                out[r, i] = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+
+
+@njit(parallel=True, cache=True)
+def _dequantize_f16(h, lut, out):
+    rows, n = h.shape
+    for r in prange(rows):
+        for i in range(n):
+            out[r, i] = lut[h[r, i]]
+
+
+@njit(parallel=True, cache=True)
+def _dequantize_bf16(h, out):
+    rows, n = h.shape
+    for r in prange(rows):
+        for i in range(n):
+            out[r, i] = np.uint32(h[r, i]) << 16
+
+
+@njit(parallel=True, cache=True)
+def _copy_f32(src, out):
+    rows, n = src.shape
+    for r in prange(rows):
+        for i in range(n):
+            out[r, i] = src[r, i]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul_f32(w, x, out):
+    n_out, n_in = w.shape
+    k = x.shape[0]
+    for r in prange(n_out):
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += w[r, i] * x[t, i]
+            out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul_f16(h, lut, x, out):
+    n_out, n_in = h.shape
+    k = x.shape[0]
+    for r in prange(n_out):
+        row = np.empty(n_in, np.float32)
+        for i in range(n_in):
+            row[i] = lut[h[r, i]]
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += row[i] * x[t, i]
+            out[t, r] = acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul_bf16(h, x, out):
+    n_out, n_in = h.shape
+    k = x.shape[0]
+    for r in prange(n_out):
+        row = np.empty(n_in, np.uint32)
+        for i in range(n_in):
+            row[i] = np.uint32(h[r, i]) << 16
+        rowf = row.view(np.float32)
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += rowf[i] * x[t, i]
+            out[t, r] = acc
+
+
+@register
+class F32(QuantFormat):
+    name, ggml_type, block_size, type_size = "F32", T.F32, 1, 4
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty(x.shape, np.float32)
+        _copy_f32(x, out)
+        return out.view(np.uint8)
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _copy_f32(raw.view(np.float32), out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _matmul_f32(raw.view(np.float32), x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import floats as k
+        return k.quantize_f32(x)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import floats as k
+        return k.dequantize_f32(raw, n_per_row)
+
+
+@register
+class F16(QuantFormat):
+    name, ggml_type, block_size, type_size = "F16", T.F16, 1, 2
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty(x.shape, np.uint16)
+        _quantize_f16(x.view(np.uint32), out)
+        return out.view(np.uint8)
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _dequantize_f16(raw.view(np.uint16), FP16_TO_FP32, out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _matmul_f16(raw.view(np.uint16), FP16_TO_FP32, x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import floats as k
+        return k.quantize_f16(x)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import floats as k
+        return k.dequantize_f16(raw, n_per_row)
+
+
+@register
+class BF16(QuantFormat):
+    name, ggml_type, block_size, type_size = "BF16", T.BF16, 1, 2
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty(x.shape, np.uint16)
+        _quantize_bf16(x.view(np.uint32), out)
+        return out.view(np.uint8)
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _dequantize_bf16(raw.view(np.uint16), out.view(np.uint32))
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _matmul_bf16(raw.view(np.uint16), x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import floats as k
+        return k.quantize_bf16(x)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import floats as k
+        return k.dequantize_bf16(raw, n_per_row)
