@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import FORMATS, QuantFormat, format_for_type, register
+from ._numeric import nonfinite_rows
 from . import floats, legacy  # noqa: F401  (registration side effects)
 
 __all__ = [
@@ -79,8 +80,10 @@ def _as_f32_rows(array, what: str = "array") -> np.ndarray:
     if a.ndim == 0:
         raise ValueError(f"{what} must have at least one dimension")
     a = np.ascontiguousarray(a, dtype=np.float32)
-    finite = np.isfinite(a)
-    if not finite.all():
+    bad_rows = nonfinite_rows(a.reshape(-1, a.shape[-1]).view(np.uint32) if a.size
+                              else np.zeros((0, 1), np.uint32))
+    if bad_rows.any():
+        finite = np.isfinite(a)
         bad = np.unravel_index(int(np.argmin(finite)), a.shape)
         kind = "NaN" if np.isnan(a[bad]) else "Inf"
         raise ValueError(f"{what} contains {kind} at index {tuple(int(i) for i in bad)}")

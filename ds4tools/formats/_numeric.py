@@ -16,7 +16,7 @@ compiled code).
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 #: fp16 bit pattern -> float32 value, for all 65536 patterns.
 FP16_TO_FP32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -96,3 +96,18 @@ def fp16_bits(raw, off):
 def put_fp16(raw, off, bits):
     raw[off] = bits & 0xFF
     raw[off + 1] = (bits >> 8) & 0xFF
+
+
+@njit(parallel=True, cache=True)
+def nonfinite_rows(bits):
+    """Per row of float32 data viewed as uint32, whether it holds a NaN or an Inf.
+
+    Integer max of the exponent fields: one vectorized pass, no temporary arrays."""
+    rows, n = bits.shape
+    bad = np.zeros(rows, np.bool_)
+    for r in prange(rows):
+        top = np.uint32(0)
+        for i in range(n):
+            top = max(top, bits[r, i] & np.uint32(0x7F800000))
+        bad[r] = top == np.uint32(0x7F800000)
+    return bad
