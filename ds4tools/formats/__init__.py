@@ -164,10 +164,12 @@ def dequantize(raw, type, shape, device: str = "cpu") -> np.ndarray:
     return run(r, shape[-1]).reshape(shape)
 
 
-def matmul(raw, type, shape, x, out=None) -> np.ndarray:
+def matmul(raw, type, shape, x, out=None, int8: bool = False) -> np.ndarray:
     """``x @ W.T`` with W (``shape`` = (n_out, n_in)) decoded on the fly from raw blocks.
 
     ``x``: float32 (k, n_in) or (n_in,). Returns float32 (k, n_out) (or (n_out,)).
+    ``int8=True`` takes ggml's int8-activation path where the format has one (faster, not
+    exact to the float product), else the float path.
     """
     f = get_format(type)
     if len(shape) != 2:
@@ -184,5 +186,8 @@ def matmul(raw, type, shape, x, out=None) -> np.ndarray:
         out = np.empty((xa.shape[0], shape[0]), np.float32)
     elif out.shape != (xa.shape[0], shape[0]) or out.dtype != np.float32:
         raise ValueError(f"out must be float32 of shape {(xa.shape[0], shape[0])}")
-    f._cpu_matmul(r, xa, out)
+    if int8 and f.has_int8_matmul:
+        f._cpu_matmul_int8(r, xa, out)
+    else:
+        f._cpu_matmul(r, xa, out)
     return out[0] if vec else out

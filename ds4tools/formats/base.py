@@ -66,6 +66,15 @@ class QuantFormat:
         """
         return _missing(self, "fused CPU matmul")
 
+    #: whether `_cpu_matmul_int8` exists (ggml's int8-activation dot products)
+    has_int8_matmul: bool = False
+
+    def _cpu_matmul_int8(self, raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        """Like _cpu_matmul, but x is first quantized to int8 blocks (Q8_0 per 32 or Q8_K per
+        256, as ggml's vec_dot_type) and blocks are dotted in integers. Faster, not exact to
+        the f32 product; still bit-identical for a token alone or inside a batch."""
+        return _missing(self, "int8-activation CPU matmul")
+
     def _cuda_quantize(self, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
         return _missing(self, "CUDA quantizer")
 
