@@ -14,7 +14,7 @@ import numpy as np
 
 from .base import FORMATS, QuantFormat, format_for_type, register
 from ._numeric import nonfinite_rows
-from . import floats, legacy  # noqa: F401  (registration side effects)
+from . import floats, legacy, kquants, iq4_nl, iq2_xxs  # noqa: F401  (registration side effects)
 
 __all__ = [
     "FORMATS", "QuantFormat", "register", "get_format", "format_for_type",

@@ -1,0 +1,435 @@
+"""IQ2_XXS: 2.06 bits per weight. 256-element super-blocks of 8-element grid points.
+
+A super-block is fp16 ``d`` then 8 x (uint32 grid indices, uint32 signs+scale) for its eight
+32-element blocks: four bytes index a 256-entry grid of 8-vectors with entries {8, 25, 43}, the
+second word holds four 7-bit sign patterns (the eighth sign makes the parity even) and a
+4-bit block scale in the top bits: ``x = d * (0.5 + s) * 0.25 * grid[i] * sign``.
+
+ggml's quantizer (quantize_row_iq2_xxs_impl) needs importance weights. Per block it flips
+signs to make every 8-group's parity even, gets a first scale from make_qp_quants, then
+tries 13 scales; for each it rounds the 8-groups to 2-bit codes and, when a code is not a grid
+point, takes the best of that code's precomputed grid neighbours. The neighbour lists are
+derived data (iq2xs_init_impl): for every code, the grid points at its two smallest squared
+distances, ordered by (distance, grid index). We compute them from the grid at first use.
+
+The grid and sign tables come from the gguf package at import time.
+"""
+import functools
+import itertools
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants as _gguf_quants
+from numba import njit, prange
+
+from .base import QuantFormat, register
+from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
+
+QK_K = 256
+BLOCK_BYTES = 66
+_KMAX_Q = 3  # codes are 0..2 (grid values 1, 3, 5 in the quantizer's units)
+_MAP_SIZE = 43692  # ggml's kmap_size: room for every 16-bit code with 2-bit fields
+
+
+def _grid_codes() -> np.ndarray:
+    """The 256 grid points as packed 2-bit codes (uint16; field i = element i)."""
+    raw = _gguf_quants.IQ2_XXS.grid_hex
+    codes = np.frombuffer(bytes.fromhex(raw.decode("ascii")), dtype="<u2").astype(np.int64)
+    assert codes.shape == (256,) and len(set(codes.tolist())) == 256
+    return codes
+
+
+GRID_CODES = _grid_codes()
+#: per grid point, its eight 2-bit levels (0..2)
+GRID_LEVELS = ((GRID_CODES[:, None] >> (2 * np.arange(8))) & 3).astype(np.uint8)
+#: the decoder's grid: levels mapped to the stored magnitudes (8, 25, 43)
+GRID_VALUES = np.asarray(_gguf_quants.IQ2_XXS.grid_map, dtype=np.float32)[GRID_LEVELS]
+#: sign patterns: 7 stored bits -> 8 signs with even parity
+KSIGNS = np.frombuffer(_gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+assert KSIGNS.shape == (128,) and GRID_LEVELS.max() <= 2
+
+
+@functools.lru_cache(maxsize=None)
+def search_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(code_map, neighbours), laid out as ggml's iq2xs_init_impl lays them out.
+
+    code_map[u] is the grid index of code u, or -(offset + 1) when u is off the grid;
+    neighbours[offset] is the neighbour count n, followed by the n neighbours (ggml stores
+    their grid indices; we store their codes, which the search reads directly). Only codes
+    whose fields are all <= 2 can be looked up (the quantizer clamps to 2), so only those
+    get lists."""
+    code_map = np.full(_MAP_SIZE, -1, np.int32)
+    code_map[GRID_CODES] = np.arange(256, dtype=np.int32)
+    levels = np.array(list(itertools.product(range(3), repeat=8)), dtype=np.int64)[:, ::-1]
+    codes = (levels << (2 * np.arange(8))).sum(axis=1)
+    off = code_map[codes] < 0
+    codes, levels = codes[off], levels[off]
+    # squared distance (in the quantizer's units 2*l+1) from each off-grid code to each grid point
+    diff = 2 * (GRID_LEVELS[None, :, :].astype(np.int64) - levels[:, None, :])
+    dist2 = (diff * diff).sum(axis=2)
+    order = np.argsort(dist2, axis=1, kind="stable")  # ties by grid index, as ggml's qsort key
+    parts = []
+    offset = 0
+    for row, code in enumerate(codes):
+        d = dist2[row, order[row]]
+        second = d[d > d[0]][0]  # the two smallest distinct distances (ggml's nwant = 2)
+        nearest = order[row, :int(np.searchsorted(d, second, side="right"))]
+        code_map[code] = -(offset + 1)
+        parts.append(np.concatenate(([len(nearest)], GRID_CODES[nearest])))
+        offset += 1 + len(nearest)
+    neighbours = np.concatenate(parts).astype(np.int32)
+    return code_map, neighbours
+
+
+# --- exact helpers --------------------------------------------------------------------------
+
+_FLT_MAX = np.float32(3.4028234663852886e38)
+_GROUP_MAX_EPS = np.float32(1e-15)
+
+
+@njit(cache=True)
+def nearest_int(v):
+    """ggml's nearest_int for every float32, including the out-of-range ones: it adds
+    1.5 * 2**23 and reads the low 23 mantissa bits. In range that is round-half-even."""
+    if abs(v) <= np.float32(4194303.0):
+        return round(v)
+    s = np.float32(v + np.float32(12582912.0))
+    if s != s:
+        return 0  # the default NaN's mantissa is 0x400000
+    if math.isinf(s) or s == 0:
+        return -4194304
+    m, _ = math.frexp(float(s))
+    return int((abs(m) * 2.0 - 1.0) * 8388608.0) - 4194304
+
+
+@njit(cache=True)
+def make_qp_quants(xval, L, weight):
+    """ggml's make_qp_quants(32, nmax=4, ...). L holds bytes (its C type is uint8_t, so a
+    negative level wraps); returns the fitted scale."""
+    n = 32
+    nmax = 4
+    vmax = np.float32(0.0)
+    for i in range(n):
+        vmax = vmax if vmax > xval[i] else xval[i]
+    if vmax < _GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return np.float32(0.0)
+    iscale = np.float32(nmax) / vmax
+    for i in range(n):
+        L[i] = nearest_int(iscale * xval[i]) & 0xFF
+    scale = np.float32(1.0) / iscale
+    best_mse = np.float32(0.0)
+    for i in range(n):
+        diff = xval[i] - scale * np.float32(L[i])
+        best_mse += weight[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (np.float32(0.1) * np.float32(step) + np.float32(nmax)) / vmax
+        scale_is = np.float32(1.0) / iscale_is
+        mse = np.float32(0.0)
+        for i in range(n):
+            l = min(nmax, nearest_int(iscale_is * xval[i]))
+            diff = xval[i] - scale_is * np.float32(l)
+            mse += weight[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = np.float32(0.0)
+    suml2 = np.float32(0.0)
+    for i in range(n):
+        l = min(nmax, nearest_int(iscale * xval[i]))
+        L[i] = l & 0xFF
+        w = weight[i]
+        sumlx += w * xval[i] * np.float32(l)
+        suml2 += w * np.float32(l) * np.float32(l)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = weight[i]
+            li = np.float32(L[i])
+            slx = sumlx - w * xval[i] * li
+            sl2 = suml2 - w * li * li
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(xval[i] * sl2 / slx))
+                if new_l != L[i]:
+                    fl = np.float32(new_l)
+                    slx += w * xval[i] * fl
+                    sl2 += w * fl * fl
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else np.float32(0.0)
+
+
+@njit(cache=True)
+def _best_neighbour(neighbours, offset, xval, waux, base, scale, terms):
+    """ggml's iq2_find_best_neighbour: among the listed grid points (stored here as their
+    codes), the first with the least sum over the 8 elements of waux * diff * diff, where
+    diff = scale * (2l + 1) - x. Returns the winner's code.
+
+    Each element contributes one of three values, so they are computed once (terms[4i + l])
+    and every candidate's distance is a sum of 8 of them, in element order as in C."""
+    for i in range(8):
+        x = xval[base + i]
+        w = waux[base + i]
+        for l in range(3):
+            diff = scale * np.float32(2 * l + 1) - x
+            terms[4 * i + l] = w * diff * diff
+    count = np.int64(neighbours[offset])
+    best_d2 = _FLT_MAX
+    best = -1
+    for j in range(count):
+        code = neighbours[offset + 1 + j]
+        d2 = np.float32(0.0)
+        for i in range(8):
+            d2 += terms[4 * i + ((code >> (2 * i)) & 3)]
+        better = d2 < best_d2  # a select, not a branch: the winner is unpredictable
+        best_d2 = d2 if better else best_d2
+        best = j if better else best
+    return neighbours[offset + 1 + best]
+
+
+@njit(cache=True)
+def _round_groups(xval, inv, L):
+    """Levels for every element at inverse scale inv (ggml: nearest_int(0.5*(inv*x - 1))
+    clamped to 0..2), and the packed code of each 8-group in L[32 + k]."""
+    for i in range(32):
+        l = nearest_int(np.float32(0.5) * (inv * xval[i] - np.float32(1.0)))
+        L[i] = max(0, min(_KMAX_Q - 1, l))
+    for k in range(4):
+        u = 0
+        for i in range(8):
+            u |= L[8 * k + i] << (2 * i)
+        L[32 + k] = u
+
+
+@njit(cache=True)
+def iq2_xxs_quantize_block(xbl, qwl, code_map, neighbours, ob, scratch, ints):
+    """One super-block of 256 floats and its 256 importance weights -> 66 bytes.
+
+    scratch: float32 (5, 32) (weight, waux, xval, scales, terms); ints: int64 (4, 36)
+    (L, Laux + the four group codes, signs, q2)."""
+    weight = scratch[0]
+    waux = scratch[1]
+    xval = scratch[2]
+    scales = scratch[3]
+    terms = scratch[4]
+    L = ints[0]
+    Laux = ints[1]
+    signs = ints[2]
+    q2 = ints[3]
+    for i in range(16):
+        q2[i] = 0
+    put_fp16(ob, 0, 0)
+    max_scale = np.float32(0.0)
+    sumx2 = np.float32(0.0)
+    for i in range(QK_K):
+        sumx2 += xbl[i] * xbl[i]
+    sigma2 = sumx2 / np.float32(QK_K)
+
+    for ib in range(8):
+        xb = xbl[32 * ib:32 * ib + 32]
+        qw = qwl[32 * ib:32 * ib + 32]
+        for i in range(32):
+            weight[i] = qw[i] * np.float32(math.sqrt(sigma2 + xb[i] * xb[i]))
+        for i in range(32):
+            waux[i] = np.float32(math.sqrt(weight[i]))
+        for k in range(4):
+            nflip = 0
+            s = 0
+            for i in range(8):
+                v = xb[8 * k + i]
+                if v >= 0:
+                    xval[8 * k + i] = v
+                else:
+                    xval[8 * k + i] = -v
+                    nflip += 1
+                    s |= 1 << i
+            if nflip % 2:
+                # odd parity: flip the element that costs least, so the 8th sign is implied
+                imin = 0
+                vmin = weight[8 * k] * xb[8 * k] * xb[8 * k]
+                for i in range(1, 8):
+                    ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i]
+                    if ax < vmin:
+                        vmin = ax
+                        imin = i
+                xval[8 * k + imin] = -xval[8 * k + imin]
+                s ^= 1 << imin
+            signs[k] = s & 127
+        vmax = xval[0]
+        for i in range(1, 32):
+            vmax = vmax if vmax > xval[i] else xval[i]
+        if vmax < _GROUP_MAX_EPS:
+            scales[ib] = 0
+            continue
+        scale = make_qp_quants(xval, L, weight)
+        eff_max = scale * np.float32(_KMAX_Q)
+        if eff_max <= 0:
+            scales[ib] = 0
+            continue
+        best = np.float32(0.0)
+        for step in range(-6, 7):
+            inv = (np.float32(2 * _KMAX_Q - 1) + np.float32(step) * np.float32(0.1)) / eff_max
+            this_scale = np.float32(1.0) / inv
+            _round_groups(xval, inv, Laux)
+            for k in range(4):
+                g = code_map[Laux[32 + k]]
+                if g < 0:
+                    u = _best_neighbour(neighbours, -g - 1, xval, waux, 8 * k, this_scale, terms)
+                    for i in range(8):
+                        Laux[8 * k + i] = (u >> (2 * i)) & 3
+            sumqx = np.float32(0.0)
+            sumq2 = np.float32(0.0)
+            for i in range(32):
+                w = weight[i]
+                q = np.float32(2 * Laux[i] + 1)
+                sumqx += w * xval[i] * q
+                sumq2 += w * q * q
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                for i in range(32):
+                    L[i] = Laux[i]
+        if scale > 0:
+            inv = np.float32(1.0) / scale
+            _round_groups(xval, inv, Laux)
+            for k in range(4):
+                u = Laux[32 + k]
+                if code_map[u] < 0:
+                    u = _best_neighbour(neighbours, -code_map[u] - 1, xval, waux, 8 * k, scale, terms)
+                for i in range(8):
+                    L[8 * k + i] = (u >> (2 * i)) & 3
+            sumqx = np.float32(0.0)
+            sumq2 = np.float32(0.0)
+            for i in range(32):
+                w = weight[i]
+                q = np.float32(2 * L[i] + 1)
+                sumqx += w * xval[i] * q
+                sumq2 += w * q * q
+            if sumq2 > 0:
+                scale = sumqx / sumq2
+        if scale < 0:
+            # ggml: cannot happen, but if it does, store a positive scale and flip the signs
+            scale = -scale
+            for k in range(4):
+                signs[k] = (~signs[k]) & 127
+        for k in range(4):
+            u = 0
+            for i in range(8):
+                u |= (L[8 * k + i] & 0xFF) << (2 * i)
+            g = code_map[u] if u < _MAP_SIZE else -1
+            # ggml aborts on an off-grid code here; unreachable for finite input
+            g = max(g, 0)
+            q2[2 * ib] |= g << (8 * k)
+            q2[2 * ib + 1] |= signs[k] << (7 * k)
+        scales[ib] = scale
+        max_scale = max_scale if max_scale > scale else scale
+
+    if max_scale == 0:
+        for i in range(64):
+            ob[2 + i] = 0
+        return
+    d = max_scale / np.float32(31.0)
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    inv_d = np.float32(1.0) / d
+    for ib in range(8):
+        l = nearest_int(np.float32(0.5) * (inv_d * scales[ib] - np.float32(1.0)))
+        l = max(0, min(15, l))
+        q2[2 * ib + 1] |= l << 28
+    for w in range(16):
+        v = q2[w]
+        for b in range(4):
+            ob[2 + 4 * w + b] = (v >> (8 * b)) & 0xFF
+
+
+@njit(cache=True)
+def iq2_xxs_dequantize_block(ib, grid_values, ksigns, yb):
+    d = fp16_to_fp32(fp16_bits(ib, 0))
+    for b in range(8):
+        o = 2 + 8 * b
+        aux1 = (np.int64(ib[o + 4]) | (np.int64(ib[o + 5]) << 8) | (np.int64(ib[o + 6]) << 16)
+                | (np.int64(ib[o + 7]) << 24))
+        db = d * (np.float32(0.5) + np.float32(aux1 >> 28)) * np.float32(0.25)
+        for l in range(4):
+            g = ib[o + l]
+            sg = ksigns[(aux1 >> (7 * l)) & 127]
+            for j in range(8):
+                v = db * grid_values[g, j]
+                yb[32 * b + 8 * l + j] = -v if (sg >> j) & 1 else v
+
+
+@njit(parallel=True, cache=True)
+def _iq2_xxs_quantize(x, imatrix, code_map, neighbours, out):
+    rows, n = x.shape
+    nbl = n // QK_K
+    for r in prange(rows):
+        scratch = np.empty((5, 32), np.float32)
+        ints = np.empty((4, 36), np.int64)
+        for b in range(nbl):
+            iq2_xxs_quantize_block(x[r, b * QK_K:(b + 1) * QK_K], imatrix[b * QK_K:(b + 1) * QK_K],
+                                   code_map, neighbours,
+                                   out[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], scratch, ints)
+
+
+@njit(parallel=True, cache=True)
+def _iq2_xxs_dequantize(raw, grid_values, ksigns, out):
+    rows, n = out.shape
+    nbl = n // QK_K
+    for r in prange(rows):
+        for b in range(nbl):
+            iq2_xxs_dequantize_block(raw[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], grid_values,
+                                     ksigns, out[r, b * QK_K:(b + 1) * QK_K])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _iq2_xxs_matmul(raw, grid_values, ksigns, x, out):
+    n_out = raw.shape[0]
+    k, n_in = x.shape
+    nbl = n_in // QK_K
+    for r in prange(n_out):
+        w = np.empty(n_in, np.float32)
+        for b in range(nbl):
+            iq2_xxs_dequantize_block(raw[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], grid_values,
+                                     ksigns, w[b * QK_K:(b + 1) * QK_K])
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += w[i] * x[t, i]
+            out[t, r] = acc
+
+
+@register
+class IQ2_XXS(QuantFormat):
+    name, ggml_type, block_size, type_size = "IQ2_XXS", T.IQ2_XXS, QK_K, BLOCK_BYTES
+    uses_imatrix = True
+    requires_imatrix = True  # ggml_quantize_requires_imatrix
+
+    def _cpu_quantize(self, x, imatrix):
+        code_map, neighbours = search_tables()
+        out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
+        _iq2_xxs_quantize(x, imatrix, code_map, neighbours, out)
+        return out
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _iq2_xxs_dequantize(raw, GRID_VALUES, KSIGNS, out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _iq2_xxs_matmul(raw, GRID_VALUES, KSIGNS, x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import iq as k
+        return k.quantize_iq2_xxs(x, imatrix)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import iq as k
+        return k.dequantize_iq2_xxs(raw, n_per_row)

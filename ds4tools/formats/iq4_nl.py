@@ -1,0 +1,251 @@
+"""IQ4_NL: 32-element blocks of 4-bit indices into a fixed non-linear table, one fp16 scale.
+
+A block is fp16 ``d`` then 16 bytes: index ``j`` (low nibble) and ``j + 16`` (high nibble)
+share a byte; ``x = d * KVALUES[index]``. ggml's quantizer searches 15 candidate scales per
+block, choosing each element's table entry by binary search, and keeps the scale with the
+best weighted fit (weights: ``x**2``, or the imatrix times ``sqrt(sigma2 + x**2)``).
+
+Block functions (``*_block``) are plain ``@njit`` functions on one block's arrays, shared by
+the CPU kernels and the CUDA kernels in ``ds4tools.formats.cuda.iq``.
+"""
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants as _gguf_quants
+from numba import njit, prange
+
+from .base import QuantFormat, register
+from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
+
+QK = 32
+BLOCK_BYTES = 18
+#: the 16 non-linear levels, taken from the gguf package (the format's defining table)
+KVALUES = np.array(_gguf_quants.IQ4_NL.kvalues, dtype=np.float32)
+assert KVALUES.shape == (16,) and (np.diff(KVALUES) > 0).all()
+
+#: decision points between neighbouring levels, and the step from one level to the next
+MIDPOINTS = ((KVALUES[:-1].astype(np.float64) + KVALUES[1:]) / 2).astype(np.float32)
+STEPS = np.diff(KVALUES).astype(np.float32)
+
+_GROUP_MAX_EPS = np.float32(1e-15)
+_NTRY = 7
+#: candidate scales per block: ggml's first guess, then itry = -7..7
+N_CANDIDATES = 2 * _NTRY + 2
+
+
+@njit(cache=True)
+def best_index(mids, x):
+    """The level nearest to x, as ggml's best_index_int8 chooses it (a tie goes up).
+
+    ggml binary-searches, then compares the float32 distances to the two neighbours. Counting
+    the midpoints at or below x gives the same index for every float32 x: near a midpoint
+    (a half-integer of magnitude >= 4.5) both distances are exact, and elsewhere rounding
+    cannot reorder them. tests/test_formats_iq.py checks this against a literal binary
+    search. Counting has no branches, so it vectorizes."""
+    i = 0
+    for k in range(15):
+        i += 1 if x >= mids[k] else 0
+    return i
+
+
+@njit(cache=True)
+def iq4_nl_quantize_block(xb, qw, use_qw, values, mids, steps, ob, weight, cand):
+    """One block of 32 floats -> 18 bytes, as ggml's quantize_row_iq4_nl_impl (ntry = 7).
+
+    qw: the block's 32 importance weights (read only when use_qw). Scratch: weight (32,)
+    and cand (3, N_CANDIDATES): per candidate scale its inverse, sum w*q*x and sum w*q*q."""
+    sigma2 = np.float32(0.0)
+    for j in range(QK):
+        sigma2 += xb[j] * xb[j]
+    sigma2 *= np.float32(0.0625)  # 2 / 32
+    if use_qw:
+        for j in range(QK):
+            weight[j] = qw[j] * np.float32(math.sqrt(sigma2 + xb[j] * xb[j]))
+    else:
+        for j in range(QK):
+            weight[j] = xb[j] * xb[j]
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for j in range(QK):
+        ax = abs(xb[j])
+        if ax > amax:
+            amax = ax
+            vmax = xb[j]
+    d = np.float32(0.0)
+    if amax >= _GROUP_MAX_EPS:
+        # All candidates at once: lane c accumulates in ggml's order (j = 0..31), and the
+        # lanes are independent, so the loop over c vectorizes without reordering any sum.
+        nc = cand.shape[1]
+        inv = cand[0]
+        sqx = cand[1]
+        sq2 = cand[2]
+        inv[0] = np.float32(1.0) / (-vmax / values[0])
+        for c in range(1, nc):
+            inv[c] = (np.float32(c - 1 - _NTRY) + values[0]) / vmax
+        for c in range(nc):
+            sqx[c] = np.float32(0.0)
+            sq2[c] = np.float32(0.0)
+        for j in range(QK):
+            xj = xb[j]
+            wj = weight[j]
+            for c in range(nc):
+                al = inv[c] * xj
+                q = values[0]
+                for k in range(15):
+                    q += steps[k] if al >= mids[k] else np.float32(0.0)
+                sqx[c] += wj * q * xj
+                sq2[c] += wj * q * q
+        d = sqx[0] / sq2[0] if sq2[0] > 0 else np.float32(0.0)
+        best = d * sqx[0]
+        for c in range(1, nc):
+            if sq2[c] > 0 and sqx[c] * sqx[c] > best * sq2[c]:
+                d = sqx[c] / sq2[c]
+                best = d * sqx[c]
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    inv_d = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    for j in range(16):
+        lo = best_index(mids, inv_d * xb[j])
+        hi = best_index(mids, inv_d * xb[j + 16])
+        ob[2 + j] = np.uint8(lo | (hi << 4))
+
+
+@njit(cache=True)
+def iq4_nl_dequantize_block(ib, values, yb):
+    d = fp16_to_fp32(fp16_bits(ib, 0))
+    for j in range(16):
+        yb[j] = d * values[ib[2 + j] & 0xF]
+        yb[j + 16] = d * values[ib[2 + j] >> 4]
+
+
+@njit(parallel=True, cache=True)
+def _iq4_nl_quantize(x, imatrix, use_qw, values, mids, steps, out):
+    rows, n = x.shape
+    nb = n // QK
+    for r in prange(rows):
+        weight = np.empty(QK, np.float32)
+        cand = np.empty((3, N_CANDIDATES), np.float32)
+        for b in range(nb):
+            iq4_nl_quantize_block(x[r, b * QK:(b + 1) * QK], imatrix[b * QK:(b + 1) * QK],
+                                  use_qw, values, mids, steps,
+                                  out[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], weight, cand)
+
+
+@njit(parallel=True, cache=True)
+def _iq4_nl_dequantize(raw, lut, values, out):
+    rows, n = out.shape
+    nb = n // QK
+    for r in prange(rows):
+        for b in range(nb):
+            o = b * BLOCK_BYTES
+            d = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
+            for j in range(16):
+                byte = raw[r, o + 2 + j]
+                out[r, b * QK + j] = d * values[byte & 0xF]
+                out[r, b * QK + 16 + j] = d * values[byte >> 4]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _iq4_nl_matmul(raw, lut, values, x, out):
+    n_out = raw.shape[0]
+    k, n_in = x.shape
+    nb = n_in // QK
+    for r in prange(n_out):
+        q = np.empty(n_in, np.float32)
+        d = np.empty(nb, np.float32)
+        for b in range(nb):
+            o = b * BLOCK_BYTES
+            d[b] = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
+            for j in range(16):
+                byte = raw[r, o + 2 + j]
+                q[b * QK + j] = values[byte & 0xF]
+                q[b * QK + 16 + j] = values[byte >> 4]
+        for t in range(k):
+            acc = np.float32(0.0)
+            for b in range(nb):
+                s = np.float32(0.0)
+                for j in range(QK):
+                    s += q[b * QK + j] * x[t, b * QK + j]
+                acc += d[b] * s
+            out[t, r] = acc
+
+
+# --- int8 activations (ggml's vec_dot_type for IQ4_NL is Q8_0: int8 per 32, fp16 scale) -------
+
+
+@njit(parallel=True, cache=True)
+def quantize_activations_q8_0(x, qx, dx):
+    """x (k, n) -> int8 qx (k, n) and float32 scales dx (k, n // 32), as ggml's Q8_0 (the
+    scale is the fp16-rounded one, as the dot product reads it back)."""
+    k, n = x.shape
+    for t in prange(k):
+        for b in range(n // QK):
+            amax = np.float32(0.0)
+            for j in range(b * QK, b * QK + QK):
+                amax = max(amax, abs(x[t, j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            dx[t, b] = fp16_to_fp32(fp32_to_fp16(d))
+            for j in range(b * QK, b * QK + QK):
+                qx[t, j] = round_away(x[t, j] * inv)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out):
+    n_out = raw.shape[0]
+    k, n_in = qx.shape
+    nb = n_in // QK
+    for r in prange(n_out):
+        q = np.empty(n_in, np.int16)
+        d = np.empty(nb, np.float32)
+        for b in range(nb):
+            o = b * BLOCK_BYTES
+            d[b] = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
+            for j in range(16):
+                byte = raw[r, o + 2 + j]
+                q[b * QK + j] = values_i8[byte & 0xF]
+                q[b * QK + 16 + j] = values_i8[byte >> 4]
+        for t in range(k):
+            acc = np.float32(0.0)
+            for b in range(nb):
+                s = np.int32(0)
+                for j in range(QK):
+                    s += np.int32(q[b * QK + j]) * np.int32(qx[t, b * QK + j])
+                acc += d[b] * dx[t, b] * np.float32(s)
+            out[t, r] = acc
+
+
+@register
+class IQ4_NL(QuantFormat):
+    name, ggml_type, block_size, type_size = "IQ4_NL", T.IQ4_NL, QK, BLOCK_BYTES
+    uses_imatrix = True
+    has_int8_matmul = True
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
+        use_qw = imatrix is not None
+        w = imatrix if use_qw else np.zeros(x.shape[1], np.float32)
+        _iq4_nl_quantize(x, w, use_qw, KVALUES, MIDPOINTS, STEPS, out)
+        return out
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _iq4_nl_dequantize(raw, FP16_TO_FP32, KVALUES, out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _iq4_nl_matmul(raw, FP16_TO_FP32, KVALUES, x, out)
+
+    def _cpu_matmul_int8(self, raw, x, out):
+        qx = np.empty(x.shape, np.int8)
+        dx = np.empty((x.shape[0], x.shape[1] // QK), np.float32)
+        quantize_activations_q8_0(x, qx, dx)
+        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, KVALUES.astype(np.int8), qx, dx, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import iq as k
+        return k.quantize_iq4_nl(x, imatrix)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import iq as k
+        return k.dequantize_iq4_nl(raw, n_per_row)
