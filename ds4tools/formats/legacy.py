@@ -1,17 +1,27 @@
-"""ggml's 32-element block formats: Q8_0 (and, beside it, Q4_0, Q4_1, Q5_0, Q5_1).
+"""ggml's 32-element block formats: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1.
 
 Block-level functions (``*_block``) are plain ``@njit`` functions on one block's floats and
-bytes; the CPU kernels call them from ``prange`` loops and the CUDA kernels
-(``ds4tools.formats.cuda.legacy``) call the very same functions per thread.
+bytes; the CUDA kernels (``ds4tools.formats.cuda.legacy``) call them per thread, and so do the
+CPU kernels where speed does not matter. The hot CPU paths (quantizing without an imatrix,
+decoding) restate the block functions as flat loops over a row, a shape LLVM vectorizes;
+tests/cuda checks that both give the same bytes.
+
+Layouts (little endian): Q4_0 = fp16 d, 16 bytes of nibbles (element j low, j+16 high);
+Q4_1 = fp16 d, fp16 m, nibbles; Q5_0 = fp16 d, uint32 qh (bit 4 of element j), nibbles;
+Q5_1 = fp16 d, fp16 m, qh, nibbles. Decoding: x = d * (q - 8 or 16), or x = d * q + m.
 """
+import math
+
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
+from ._search import SCRATCH, make_qkx3_quants, make_qx_quants
 
 QK = 32
+FLT_MAX = np.float32(3.4028234663852886e38)
 
 # --- Q8_0: fp16 d, then 32 x int8; x = d * q --------------------------------------------------
 
@@ -120,3 +130,330 @@ class Q8_0(QuantFormat):
     def _cuda_dequantize(self, raw, n_per_row):
         from .cuda import legacy as k
         return k.dequantize(self, raw, n_per_row)
+
+
+# === Q4_0, Q4_1, Q5_0, Q5_1 ===================================================================
+# Kind numbers select a format inside the kernels shared by the four (one compiled kernel each).
+KIND = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3}
+TYPE_SIZE = (18, 20, 22, 24)
+
+
+@njit(cache=True)
+def _put_u32(ob, off, v):
+    for k in range(4):
+        ob[off + k] = (v >> (8 * k)) & 0xFF
+
+
+@njit(cache=True)
+def _get_u32(ib, off):
+    return (np.int64(ib[off]) | (np.int64(ib[off + 1]) << 8) | (np.int64(ib[off + 2]) << 16)
+            | (np.int64(ib[off + 3]) << 24))
+
+
+@njit(cache=True)
+def _pack4(L, ob, off):
+    for j in range(16):
+        ob[off + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
+
+
+@njit(cache=True)
+def _pack5(L, ob, off_qh, off_qs):
+    qh = 0
+    for j in range(16):
+        ob[off_qs + j] = ((L[j] & 0x0F) | ((L[j + 16] & 0x0F) << 4)) & 0xFF
+        qh |= ((L[j] & 0x10) >> 4) << j
+        qh |= ((L[j + 16] & 0x10) >> 4) << (j + 16)
+    _put_u32(ob, off_qh, qh)
+
+
+# --- reference quantizers (no imatrix): ggml's quantize_row_q*_ref ---------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def _symmetric_scale(xb, divisor):
+    # d = (the value of largest magnitude, first one on ties) / divisor
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for j in range(QK):
+        if amax < abs(xb[j]):
+            amax = abs(xb[j])
+            vmax = xb[j]
+    return vmax / divisor
+
+
+@njit(cache=True)
+def _min_max(xb):
+    vmin = FLT_MAX
+    vmax = -FLT_MAX
+    for j in range(QK):
+        if xb[j] < vmin:
+            vmin = xb[j]
+        if xb[j] > vmax:
+            vmax = xb[j]
+    return vmin, vmax
+
+
+@njit(cache=True, error_model="numpy")
+def q4_0_quantize_block(xb, ob, L):
+    d = _symmetric_scale(xb, np.float32(-8.0))
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    for j in range(QK):
+        L[j] = min(15, np.int32(xb[j] * inv + np.float32(8.5)))
+    _pack4(L, ob, 2)
+
+
+@njit(cache=True, error_model="numpy")
+def q4_1_quantize_block(xb, ob, L):
+    vmin, vmax = _min_max(xb)
+    d = (vmax - vmin) / np.float32(15.0)
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    put_fp16(ob, 2, fp32_to_fp16(vmin))
+    for j in range(QK):
+        L[j] = min(15, np.int32((xb[j] - vmin) * inv + np.float32(0.5)))
+    _pack4(L, ob, 4)
+
+
+@njit(cache=True, error_model="numpy")
+def q5_0_quantize_block(xb, ob, L):
+    d = _symmetric_scale(xb, np.float32(-16.0))
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    for j in range(QK):
+        L[j] = min(31, np.int32(xb[j] * inv + np.float32(16.5)))
+    _pack5(L, ob, 2, 6)
+
+
+@njit(cache=True, error_model="numpy")
+def q5_1_quantize_block(xb, ob, L):
+    vmin, vmax = _min_max(xb)
+    d = (vmax - vmin) / np.float32(31.0)
+    inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    put_fp16(ob, 0, fp32_to_fp16(d))
+    put_fp16(ob, 2, fp32_to_fp16(vmin))
+    for j in range(QK):
+        L[j] = np.int32((xb[j] - vmin) * inv + np.float32(0.5)) & 0xFF  # (uint8_t), no clamp
+    _pack5(L, ob, 4, 8)
+
+
+# --- imatrix quantizers: ggml's quantize_row_q*_impl ----------------------------------------
+
+
+@njit(cache=True)
+def sum_squares_from(s, xs):
+    """s + sum(x*x), added in order (a row's sum can be built from consecutive pieces)."""
+    for i in range(xs.shape[0]):
+        s += xs[i] * xs[i]
+    return s
+
+
+@njit(cache=True)
+def mean_from_sum(s, n):
+    return s / np.float32(n)
+
+
+@njit(cache=True)
+def row_sigma2(xr):
+    """sum(x*x) / n_per_row over the whole row, summed in order as ggml does."""
+    return mean_from_sum(sum_squares_from(np.float32(0.0), xr), xr.shape[0])
+
+
+@njit(cache=True)
+def _importance(xb, qw, sigma2, wb):
+    for j in range(QK):
+        wb[j] = qw[j] * np.float32(math.sqrt(sigma2 + xb[j] * xb[j]))
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_block_weighted(kind, xb, qw, sigma2, ob, L, wb, scratch):
+    """One block of Q4_0/Q4_1/Q5_0/Q5_1 (by ``kind``) with importance weights ``qw`` and the
+    row's ``sigma2`` (see row_sigma2). L: int32[32], wb: float32[32], scratch: SCRATCH floats."""
+    _importance(xb, qw, sigma2, wb)
+    if kind == 0 or kind == 2:
+        nmax = 8 if kind == 0 else 16
+        d = make_qx_quants(QK, nmax, xb, L, wb, scratch)
+        put_fp16(ob, 0, fp32_to_fp16(d))
+        if kind == 0:
+            _pack4(L, ob, 2)
+        else:
+            _pack5(L, ob, 2, 6)
+    else:
+        nmax = 15 if kind == 1 else 31
+        d, the_min = make_qkx3_quants(QK, nmax, xb, wb, L, np.float32(-0.9), np.float32(0.05),
+                                      36, False, scratch)
+        put_fp16(ob, 0, fp32_to_fp16(d))
+        put_fp16(ob, 2, fp32_to_fp16(-the_min))
+        if kind == 1:
+            _pack4(L, ob, 4)
+        else:
+            _pack5(L, ob, 4, 8)
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_block(kind, xb, ob, L):
+    """One block of Q4_0/Q4_1/Q5_0/Q5_1 (by ``kind``) without importance weights."""
+    if kind == 0:
+        q4_0_quantize_block(xb, ob, L)
+    elif kind == 1:
+        q4_1_quantize_block(xb, ob, L)
+    elif kind == 2:
+        q5_0_quantize_block(xb, ob, L)
+    else:
+        q5_1_quantize_block(xb, ob, L)
+
+
+@njit(cache=True)
+def dequantize_block(kind, ib, yb):
+    """One block of Q4_0/Q4_1/Q5_0/Q5_1 (by ``kind``) to 32 floats, as ggml's dequantize_row_*."""
+    d = fp16_to_fp32(fp16_bits(ib, 0))
+    if kind == 1 or kind == 3:
+        m = fp16_to_fp32(fp16_bits(ib, 2))
+        off = 4
+    else:
+        m = np.float32(0.0)
+        off = 2
+    qh = 0
+    if kind >= 2:
+        qh = _get_u32(ib, off)
+        off += 4
+    bias = (8, 0, 16, 0)[kind]
+    for j in range(16):
+        v = np.int64(ib[off + j])
+        q0 = (v & 0x0F) | (((qh >> j) << 4) & 0x10)
+        q1 = (v >> 4) | ((qh >> (j + 12)) & 0x10)
+        if kind == 1 or kind == 3:
+            yb[j] = np.float32(q0) * d + m
+            yb[j + 16] = np.float32(q1) * d + m
+        else:
+            yb[j] = np.float32(q0 - bias) * d
+            yb[j + 16] = np.float32(q1 - bias) * d
+
+
+# --- CPU kernels -------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_weighted(kind, x, qw, out):
+    rows, n = x.shape
+    ts = TYPE_SIZE[kind]
+    for r in prange(rows):
+        L = np.empty(QK, np.int32)
+        wb = np.empty(QK, np.float32)
+        scratch = np.empty(SCRATCH, np.float32)
+        sigma2 = row_sigma2(x[r])
+        for b in range(n // QK):
+            quantize_block_weighted(kind, x[r, b * QK:(b + 1) * QK], qw[b * QK:(b + 1) * QK], sigma2,
+                                    out[r, b * ts:(b + 1) * ts], L, wb, scratch)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_ref(kind, x, out):
+    rows, n = x.shape
+    ts = TYPE_SIZE[kind]
+    for r in prange(rows):
+        L = np.empty(QK, np.int32)
+        for b in range(n // QK):
+            quantize_block(kind, x[r, b * QK:(b + 1) * QK], out[r, b * ts:(b + 1) * ts], L)
+
+
+@njit(cache=True)
+def _decode_row(kind, rr, lut, y):
+    # One row of blocks to floats, bit-identical to dequantize_block.
+    ts = TYPE_SIZE[kind]
+    affine = kind == 1 or kind == 3
+    bias = (8, 0, 16, 0)[kind]
+    for b in range(y.shape[0] // QK):
+        o = b * ts
+        d = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
+        m = lut[np.int64(rr[o + 2]) | (np.int64(rr[o + 3]) << 8)] if affine else np.float32(0.0)
+        off = o + (4 if affine else 2)
+        qh = 0
+        if kind >= 2:
+            qh = _get_u32(rr, off)
+            off += 4
+        yb = y[b * QK:(b + 1) * QK]
+        for j in range(16):
+            v = np.int64(rr[off + j])
+            q0 = (v & 0x0F) | (((qh >> j) << 4) & 0x10)
+            q1 = (v >> 4) | ((qh >> (j + 12)) & 0x10)
+            if affine:
+                yb[j] = np.float32(q0) * d + m
+                yb[j + 16] = np.float32(q1) * d + m
+            else:
+                yb[j] = np.float32(q0 - bias) * d
+                yb[j + 16] = np.float32(q1 - bias) * d
+
+
+@njit(parallel=True, cache=True)
+def _dequantize(kind, raw, lut, out):
+    for r in prange(raw.shape[0]):
+        _decode_row(kind, raw[r], lut, out[r])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul(kind, raw, lut, x, out):
+    n_out = raw.shape[0]
+    k, n_in = x.shape
+    for r in prange(n_out):
+        w = np.empty(n_in, np.float32)
+        _decode_row(kind, raw[r], lut, w)
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += w[i] * x[t, i]
+            out[t, r] = acc
+
+
+class _Legacy32(QuantFormat):
+    """Q4_0, Q4_1, Q5_0, Q5_1: the kernels above, selected by the format's kind number."""
+    block_size = QK
+    uses_imatrix = True
+
+    @property
+    def kind(self) -> int:
+        return KIND[self.name]
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
+        if imatrix is None:
+            _quantize_ref(self.kind, x, out)
+        else:
+            _quantize_weighted(self.kind, x, imatrix, out)
+        return out
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _dequantize(self.kind, raw, FP16_TO_FP32, out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _matmul(self.kind, raw, FP16_TO_FP32, x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import legacy as k
+        return k.quantize(self, x, imatrix)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import legacy as k
+        return k.dequantize(self, raw, n_per_row)
+
+
+@register
+class Q4_0(_Legacy32):
+    name, ggml_type, type_size = "Q4_0", T.Q4_0, 18
+
+
+@register
+class Q4_1(_Legacy32):
+    name, ggml_type, type_size = "Q4_1", T.Q4_1, 20
+
+
+@register
+class Q5_0(_Legacy32):
+    name, ggml_type, type_size = "Q5_0", T.Q5_0, 22
+
+
+@register
+class Q5_1(_Legacy32):
+    name, ggml_type, type_size = "Q5_1", T.Q5_1, 24

@@ -1,0 +1,575 @@
+"""ggml's K-quants: Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (256-element super-blocks).
+
+Each super-block holds 16 sub-blocks of 16 (Q2_K, Q3_K, Q6_K) or 8 of 32 (Q4_K, Q5_K) with
+their own quantized scales (and mins). Without an imatrix ggml runs quantize_row_q*_K_ref; with
+one, quantize_row_q*_K_impl (Q6_K's impl uses the weights as they are, the others scale them
+by sqrt(sigma2 + x^2) with sigma2 from the super-block). The per-super-block functions below
+are plain ``@njit`` functions shared by the CPU kernels (``prange`` over rows) and the CUDA
+kernels (``ds4tools.formats.cuda.kquants``, one thread per super-block); the scale searches
+live in ``_search``.
+
+Where ggml re-reads its rounded fp16 scales before computing the final quants, so do we
+(``_f16(ob, off)``): Q2_K and Q3_K..Q6_K all requantize from the stored fp16 d (and dmin).
+
+Scratch: ``L`` is int32[L_SCRATCH], ``fs`` float32[F_SCRATCH]; the CPU allocates them per row.
+"""
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from .base import QuantFormat, register
+from ._numeric import fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
+from ._search import (GROUP_MAX_EPS, SCRATCH, as_int8, make_q3_quants, make_qkx2_quants,
+                      make_qkx3_quants, make_qp_quants, make_qx_quants, nearest_int)
+
+QK_K = 256
+KIND = {"Q2_K": 0, "Q3_K": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+TYPE_SIZE = (84, 110, 144, 176, 210)
+L_SCRATCH = QK_K + 32            # quants, then the sub-scale quants Ls (+256) and Lm (+272)
+F_SCRATCH = 128 + SCRATCH        # weights, scales, mins, sub-block weight sums, search scratch
+
+_WTS, _SCALES, _MINS, _SW, _SEARCH = 0, 32, 48, 64, 128
+
+
+@njit(cache=True)
+def _f16(ob, off):
+    """The fp16 value stored at ob[off] as float32 (ggml's GGML_FP16_TO_FP32(y->d))."""
+    return fp16_to_fp32(fp16_bits(ob, off))
+
+
+@njit(cache=True)
+def _sum_squares(xb, n):
+    s = np.float32(0.0)
+    for i in range(n):
+        s += xb[i] * xb[i]
+    return s
+
+
+@njit(cache=True)
+def _importance(x, qw, sigma2, wts, n):
+    for i in range(n):
+        wts[i] = qw[i] * np.float32(math.sqrt(sigma2 + x[i] * x[i]))
+
+
+@njit(cache=True)
+def _pack_2bit(L, ob, off):
+    # 4 quants of 2 bits per byte: elements l, l+32, l+64, l+96 of each half
+    for h in range(2):
+        for l in range(32):
+            j = 128 * h + l
+            ob[off + 32 * h + l] = (L[j] | (L[j + 32] << 2) | (L[j + 64] << 4) | (L[j + 96] << 6)) & 0xFF
+
+
+@njit(cache=True)
+def _put_scale_min_k4(ob, off, j, ls, lm):
+    # 8 six-bit scales and mins in 12 bytes (ggml's get_scale_min_k4 reads them back)
+    if j < 4:
+        ob[off + j] = ls & 0xFF
+        ob[off + j + 4] = lm & 0xFF
+    else:
+        ob[off + j + 4] = ((ls & 0xF) | ((lm & 0xF) << 4)) & 0xFF
+        ob[off + j - 4] = (ob[off + j - 4] | ((ls >> 4) << 6)) & 0xFF
+        ob[off + j] = (ob[off + j] | ((lm >> 4) << 6)) & 0xFF
+
+
+@njit(cache=True)
+def get_scale_min_k4(j, q, off):
+    if j < 4:
+        return np.int64(q[off + j]) & 63, np.int64(q[off + j + 4]) & 63
+    d = (np.int64(q[off + j + 4]) & 0xF) | ((np.int64(q[off + j - 4]) >> 6) << 4)
+    m = (np.int64(q[off + j + 4]) >> 4) | ((np.int64(q[off + j]) >> 6) << 4)
+    return d, m
+
+
+@njit(cache=True)
+def _q3_scale(ob, off, j):
+    # sub-block j's signed 6-bit scale from Q3_K's 12 packed bytes
+    lo = (np.int64(ob[off + j]) & 0xF) if j < 8 else (np.int64(ob[off + j - 8]) >> 4)
+    return (lo | (((np.int64(ob[off + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+
+
+@njit(cache=True)
+def _requantize_affine(xb, ob, L, nsub, size, nmax, d_all, m_all, scales_off):
+    # Final quants from the stored fp16 d, dmin and 6-bit scales/mins (Q4_K, Q5_K)
+    for j in range(nsub):
+        sc, m = get_scale_min_k4(j, ob, scales_off)
+        d = d_all * np.float32(sc)
+        if d == 0:
+            continue
+        dm = m_all * np.float32(m)
+        for ii in range(size):
+            L[size * j + ii] = max(0, min(nmax, nearest_int((xb[size * j + ii] + dm) / d)))
+
+
+# --- Q2_K: scales[16] (4-bit scale | 4-bit min << 4), qs[64], fp16 d, fp16 dmin ------------
+
+
+@njit(cache=True, error_model="numpy")
+def q2_k_quantize_block(xb, qw, weighted, ob, L, fs):
+    wts = fs[_WTS:_WTS + 16]
+    scales = fs[_SCALES:_SCALES + 16]
+    mins = fs[_MINS:_MINS + 16]
+    sw = fs[_SW:_SW + 16]
+    search = fs[_SEARCH:_SEARCH + SCRATCH]
+    sigma2 = _sum_squares(xb, QK_K) / np.float32(QK_K) if weighted else np.float32(0.0)
+    for j in range(16):
+        xs = xb[16 * j:16 * j + 16]
+        if weighted:
+            _importance(xs, qw[16 * j:16 * j + 16], sigma2, wts, 16)
+            s = np.float32(0.0)
+            for l in range(16):
+                s += wts[l]
+            sw[j] = s
+            scales[j], mins[j] = make_qkx3_quants(16, 3, xs, wts, L[16 * j:16 * j + 16],
+                                                  np.float32(-0.9), np.float32(0.05), 36, False, search)
+        else:
+            for l in range(16):
+                wts[l] = abs(xs[l])
+            scales[j], mins[j] = make_qkx2_quants(16, 3, xs, wts, L[16 * j:16 * j + 16],
+                                                  np.float32(-0.5), np.float32(0.1), 15, True, search)
+    if weighted:
+        Ls = L[QK_K:QK_K + 16]
+        Lm = L[QK_K + 16:QK_K + 32]
+        dm = make_qp_quants(16, 15, scales, Ls, sw, search)
+        mm = make_qp_quants(16, 15, mins, Lm, sw, search)
+        put_fp16(ob, 80, fp32_to_fp16(dm))
+        put_fp16(ob, 82, fp32_to_fp16(mm))
+        for j in range(16):
+            ob[j] = (Ls[j] | (Lm[j] << 4)) & 0xFF
+    else:
+        max_scale = np.float32(0.0)
+        max_min = np.float32(0.0)
+        for j in range(16):
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        q4scale = np.float32(15.0)
+        if max_scale > 0:
+            iscale = q4scale / max_scale
+            for j in range(16):
+                ob[j] = nearest_int(iscale * scales[j]) & 0xFF
+            put_fp16(ob, 80, fp32_to_fp16(max_scale / q4scale))
+        else:
+            for j in range(16):
+                ob[j] = 0
+            put_fp16(ob, 80, 0)
+        if max_min > 0:
+            iscale = q4scale / max_min
+            for j in range(16):
+                ob[j] = (ob[j] | (nearest_int(iscale * mins[j]) << 4)) & 0xFF
+            put_fp16(ob, 82, fp32_to_fp16(max_min / q4scale))
+        else:
+            put_fp16(ob, 82, 0)
+    d_all = _f16(ob, 80)
+    m_all = _f16(ob, 82)
+    for j in range(16):
+        d = d_all * np.float32(ob[j] & 0xF)
+        if d == 0:
+            continue
+        m = m_all * np.float32(ob[j] >> 4)
+        for ii in range(16):
+            L[16 * j + ii] = max(0, min(3, nearest_int((xb[16 * j + ii] + m) / d)))
+    _pack_2bit(L, ob, 16)
+
+
+@njit(cache=True)
+def q2_k_dequantize_block(ib, yb):
+    d = _f16(ib, 80)
+    dmin = _f16(ib, 82)
+    for e in range(QK_K):
+        sc = np.int64(ib[e // 16])
+        q = (np.int64(ib[16 + 32 * (e // 128) + e % 32]) >> (2 * ((e % 128) // 32))) & 3
+        yb[e] = d * np.float32(sc & 0xF) * np.float32(q) - dmin * np.float32(sc >> 4)
+
+
+# --- Q3_K: hmask[32], qs[64], scales[12] (16 x 6 bits, offset 32), fp16 d ------------------
+
+
+@njit(cache=True, error_model="numpy")
+def q3_k_quantize_block(xb, qw, weighted, ob, L, fs):
+    wts = fs[_WTS:_WTS + 16]
+    scales = fs[_SCALES:_SCALES + 16]
+    sw = fs[_SW:_SW + 16]
+    search = fs[_SEARCH:_SEARCH + SCRATCH]
+    for k in range(12):
+        ob[96 + k] = 0
+    if weighted:
+        sigma2 = np.float32(2.0) * _sum_squares(xb, QK_K) / np.float32(QK_K)
+        for j in range(16):
+            xs = xb[16 * j:16 * j + 16]
+            _importance(xs, qw[16 * j:16 * j + 16], sigma2, wts, 16)
+            s = np.float32(0.0)
+            for l in range(16):
+                s += wts[l]
+            sw[j] = s
+            scales[j] = make_qx_quants(16, 4, xs, L[16 * j:16 * j + 16], wts, search)
+        Ls = L[QK_K:QK_K + 16]
+        d_block = make_qx_quants(16, 32, scales, Ls, sw, search)
+        for j in range(16):
+            l = Ls[j]
+            if j < 8:
+                ob[96 + j] = l & 0xF
+            else:
+                ob[96 + j - 8] |= (l & 0xF) << 4
+            l >>= 4
+            ob[96 + j % 4 + 8] |= l << (2 * (j // 4))
+        put_fp16(ob, 108, fp32_to_fp16(d_block))
+    else:
+        max_scale = np.float32(0.0)
+        amax = np.float32(0.0)
+        for j in range(16):
+            s = make_q3_quants(16, 4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
+            scales[j] = s
+            if abs(s) > amax:
+                amax = abs(s)
+                max_scale = s
+        if max_scale != 0:
+            iscale = np.float32(-32.0) / max_scale
+            for j in range(16):
+                l = max(-32, min(31, as_int8(nearest_int(iscale * scales[j])))) + 32
+                if j < 8:
+                    ob[96 + j] = l & 0xF
+                else:
+                    ob[96 + j - 8] |= (l & 0xF) << 4
+                l >>= 4
+                ob[96 + j % 4 + 8] |= l << (2 * (j // 4))
+            put_fp16(ob, 108, fp32_to_fp16(np.float32(1.0) / iscale))
+        else:
+            put_fp16(ob, 108, 0)
+    d_all = _f16(ob, 108)
+    for j in range(16):
+        d = d_all * np.float32(_q3_scale(ob, 96, j))
+        if d == 0:
+            continue
+        for ii in range(16):
+            L[16 * j + ii] = max(-4, min(3, nearest_int(xb[16 * j + ii] / d))) + 4
+    for k in range(32):
+        ob[k] = 0
+    for j in range(QK_K):  # the high bit of element j goes to bit j // 32 of hmask[j % 32]
+        if L[j] > 3:
+            ob[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, ob, 32)
+
+
+@njit(cache=True)
+def q3_k_dequantize_block(ib, yb):
+    d_all = _f16(ib, 108)
+    for e in range(QK_K):
+        dl = d_all * np.float32(_q3_scale(ib, 96, e // 16))
+        q = (np.int64(ib[32 + 32 * (e // 128) + e % 32]) >> (2 * ((e % 128) // 32))) & 3
+        if not (np.int64(ib[e % 32]) >> (e // 32)) & 1:
+            q -= 4
+        yb[e] = dl * np.float32(q)
+
+
+# --- Q4_K / Q5_K: fp16 d, fp16 dmin, scales[12] (8 x 6-bit scale and min), [qh[32]], qs[128] --
+
+
+@njit(cache=True, error_model="numpy")
+def _q45_k_quantize_block(nmax, xb, qw, weighted, ob, L, fs):
+    wts = fs[_WTS:_WTS + 32]
+    scales = fs[_SCALES:_SCALES + 8]
+    mins = fs[_MINS:_MINS + 8]
+    sw = fs[_SW:_SW + 8]
+    search = fs[_SEARCH:_SEARCH + SCRATCH]
+    sigma2 = np.float32(2.0) * _sum_squares(xb, QK_K) / np.float32(QK_K) if weighted else np.float32(0.0)
+    for j in range(8):
+        xs = xb[32 * j:32 * j + 32]
+        if weighted:
+            _importance(xs, qw[32 * j:32 * j + 32], sigma2, wts, 32)
+            s = np.float32(0.0)
+            for l in range(32):
+                s += wts[l]
+            sw[j] = s
+            scales[j], mins[j] = make_qkx3_quants(32, nmax, xs, wts, L[32 * j:32 * j + 32],
+                                                  np.float32(-0.9), np.float32(0.05), 36, False, search)
+        else:
+            av_x = np.float32(math.sqrt(_sum_squares(xs, 32) / np.float32(32.0)))
+            for l in range(32):
+                wts[l] = av_x + abs(xs[l])
+            if nmax == 15:
+                scales[j], mins[j] = make_qkx2_quants(32, 15, xs, wts, L[32 * j:32 * j + 32],
+                                                      np.float32(-1.0), np.float32(0.1), 20, False, search)
+            else:
+                scales[j], mins[j] = make_qkx2_quants(32, 31, xs, wts, L[32 * j:32 * j + 32],
+                                                      np.float32(-0.5), np.float32(0.1), 15, False, search)
+    if weighted:
+        Ls = L[QK_K:QK_K + 8]
+        Lm = L[QK_K + 16:QK_K + 24]
+        d_block = make_qp_quants(8, 63, scales, Ls, sw, search)
+        m_block = make_qp_quants(8, 63, mins, Lm, sw, search)
+        for j in range(8):
+            ls = Ls[j]
+            lm = Lm[j]
+            if nmax == 31:  # Q5_K's impl clamps, Q4_K's does not
+                ls = min(63, ls)
+                lm = min(63, lm)
+            _put_scale_min_k4(ob, 4, j, ls, lm)
+        put_fp16(ob, 0, fp32_to_fp16(d_block))
+        put_fp16(ob, 2, fp32_to_fp16(m_block))
+    else:
+        max_scale = np.float32(0.0)
+        max_min = np.float32(0.0)
+        for j in range(8):
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        inv_scale = np.float32(63.0) / max_scale if max_scale > 0 else np.float32(0.0)
+        inv_min = np.float32(63.0) / max_min if max_min > 0 else np.float32(0.0)
+        for j in range(8):
+            ls = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
+            lm = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
+            _put_scale_min_k4(ob, 4, j, ls, lm)
+        put_fp16(ob, 0, fp32_to_fp16(max_scale / np.float32(63.0)))
+        put_fp16(ob, 2, fp32_to_fp16(max_min / np.float32(63.0)))
+    _requantize_affine(xb, ob, L, 8, 32, nmax, _f16(ob, 0), _f16(ob, 2), 4)
+    if nmax == 15:
+        for h in range(4):
+            for l in range(32):
+                ob[16 + 32 * h + l] = (L[64 * h + l] | (L[64 * h + l + 32] << 4)) & 0xFF
+    else:
+        for k in range(32):
+            ob[16 + k] = 0
+        for h in range(4):
+            for l in range(32):
+                l1 = L[64 * h + l]
+                l2 = L[64 * h + l + 32]
+                if l1 > 15:
+                    l1 -= 16
+                    ob[16 + l] |= 1 << (2 * h)
+                if l2 > 15:
+                    l2 -= 16
+                    ob[16 + l] |= 2 << (2 * h)
+                ob[48 + 32 * h + l] = (l1 | (l2 << 4)) & 0xFF
+
+
+@njit(cache=True, error_model="numpy")
+def q4_k_quantize_block(xb, qw, weighted, ob, L, fs):
+    _q45_k_quantize_block(15, xb, qw, weighted, ob, L, fs)
+
+
+@njit(cache=True, error_model="numpy")
+def q5_k_quantize_block(xb, qw, weighted, ob, L, fs):
+    _q45_k_quantize_block(31, xb, qw, weighted, ob, L, fs)
+
+
+@njit(cache=True)
+def _q45_k_dequantize_block(five, ib, yb):
+    d = _f16(ib, 0)
+    dmin = _f16(ib, 2)
+    qs = 48 if five else 16
+    for j in range(8):
+        sc, m = get_scale_min_k4(j, ib, 4)
+        d1 = d * np.float32(sc)
+        m1 = dmin * np.float32(m)
+        shift = 4 * (j % 2)
+        for l in range(32):
+            q = (np.int64(ib[qs + 32 * (j // 2) + l]) >> shift) & 0xF
+            if five and (np.int64(ib[16 + l]) >> j) & 1:
+                q += 16
+            yb[32 * j + l] = d1 * np.float32(q) - m1
+
+
+@njit(cache=True)
+def q4_k_dequantize_block(ib, yb):
+    _q45_k_dequantize_block(False, ib, yb)
+
+
+@njit(cache=True)
+def q5_k_dequantize_block(ib, yb):
+    _q45_k_dequantize_block(True, ib, yb)
+
+
+# --- Q6_K: ql[128], qh[64], int8 scales[16], fp16 d -----------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def q6_k_quantize_block(xb, qw, weighted, ob, L, fs):
+    wts = fs[_WTS:_WTS + 16]
+    scales = fs[_SCALES:_SCALES + 16]
+    search = fs[_SEARCH:_SEARCH + SCRATCH]
+    max_scale = np.float32(0.0)
+    max_abs = np.float32(0.0)
+    for ib in range(16):
+        xs = xb[16 * ib:16 * ib + 16]
+        for l in range(16):
+            wts[l] = qw[16 * ib + l] if weighted else xs[l] * xs[l]
+        s = make_qx_quants(16, 32, xs, L[16 * ib:16 * ib + 16], wts, search)
+        scales[ib] = s
+        if abs(s) > max_abs:
+            max_abs = abs(s)
+            max_scale = s
+    if max_abs < GROUP_MAX_EPS:
+        for k in range(210):
+            ob[k] = 0
+        return
+    iscale = np.float32(-128.0) / max_scale
+    put_fp16(ob, 208, fp32_to_fp16(np.float32(1.0) / iscale))
+    for ib in range(16):
+        ob[192 + ib] = min(127, nearest_int(iscale * scales[ib])) & 0xFF
+    d_all = _f16(ob, 208)
+    for j in range(16):
+        d = d_all * np.float32(as_int8(np.int64(ob[192 + j])))
+        if d == 0:
+            continue
+        for ii in range(16):
+            L[16 * j + ii] = max(-32, min(31, nearest_int(xb[16 * j + ii] / d))) + 32
+    for h in range(2):
+        for l in range(32):
+            j = 128 * h + l
+            ob[64 * h + l] = ((L[j] & 0xF) | ((L[j + 64] & 0xF) << 4)) & 0xFF
+            ob[64 * h + l + 32] = ((L[j + 32] & 0xF) | ((L[j + 96] & 0xF) << 4)) & 0xFF
+            ob[128 + 32 * h + l] = ((L[j] >> 4) | ((L[j + 32] >> 4) << 2) | ((L[j + 64] >> 4) << 4)
+                                    | ((L[j + 96] >> 4) << 6)) & 0xFF
+
+
+@njit(cache=True)
+def q6_k_dequantize_block(ib, yb):
+    d = _f16(ib, 208)
+    for e in range(QK_K):
+        h = e // 128
+        quarter = (e % 128) // 32
+        l = e % 32
+        ql = np.int64(ib[64 * h + l + 32 * (quarter & 1)])
+        lo = (ql >> (4 * (quarter >> 1))) & 0xF
+        hi = (np.int64(ib[128 + 32 * h + l]) >> (2 * quarter)) & 3
+        q = (lo | (hi << 4)) - 32
+        yb[e] = d * np.float32(as_int8(np.int64(ib[192 + e // 16]))) * np.float32(q)
+
+
+# --- dispatch by kind ------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_block(kind, xb, qw, weighted, ob, L, fs):
+    """One super-block of the K-quant ``kind`` (see KIND); ``weighted`` selects ggml's imatrix
+    path (``qw``: the super-block's 256 importance weights; ignored otherwise)."""
+    if kind == 0:
+        q2_k_quantize_block(xb, qw, weighted, ob, L, fs)
+    elif kind == 1:
+        q3_k_quantize_block(xb, qw, weighted, ob, L, fs)
+    elif kind == 2:
+        q4_k_quantize_block(xb, qw, weighted, ob, L, fs)
+    elif kind == 3:
+        q5_k_quantize_block(xb, qw, weighted, ob, L, fs)
+    else:
+        q6_k_quantize_block(xb, qw, weighted, ob, L, fs)
+
+
+@njit(cache=True)
+def dequantize_block(kind, ib, yb):
+    """One super-block of the K-quant ``kind`` to 256 floats, as ggml's dequantize_row_*."""
+    if kind == 0:
+        q2_k_dequantize_block(ib, yb)
+    elif kind == 1:
+        q3_k_dequantize_block(ib, yb)
+    elif kind == 2:
+        q4_k_dequantize_block(ib, yb)
+    elif kind == 3:
+        q5_k_dequantize_block(ib, yb)
+    else:
+        q6_k_dequantize_block(ib, yb)
+
+
+# --- CPU kernels -------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize(kind, x, qw, weighted, out):
+    rows, n = x.shape
+    ts = TYPE_SIZE[kind]
+    for r in prange(rows):
+        L = np.empty(L_SCRATCH, np.int32)
+        fs = np.empty(F_SCRATCH, np.float32)
+        for b in range(n // QK_K):
+            quantize_block(kind, x[r, b * QK_K:(b + 1) * QK_K], qw[b * QK_K:(b + 1) * QK_K], weighted,
+                           out[r, b * ts:(b + 1) * ts], L, fs)
+
+
+@njit(cache=True)
+def _decode_row(kind, rr, y):
+    ts = TYPE_SIZE[kind]
+    for b in range(y.shape[0] // QK_K):
+        dequantize_block(kind, rr[b * ts:(b + 1) * ts], y[b * QK_K:(b + 1) * QK_K])
+
+
+@njit(parallel=True, cache=True)
+def _dequantize(kind, raw, out):
+    for r in prange(raw.shape[0]):
+        _decode_row(kind, raw[r], out[r])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul(kind, raw, x, out):
+    n_out = raw.shape[0]
+    k, n_in = x.shape
+    for r in prange(n_out):
+        w = np.empty(n_in, np.float32)
+        _decode_row(kind, raw[r], w)
+        for t in range(k):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += w[i] * x[t, i]
+            out[t, r] = acc
+
+
+class _KQuant(QuantFormat):
+    block_size = QK_K
+    uses_imatrix = True
+
+    @property
+    def kind(self) -> int:
+        return KIND[self.name]
+
+    def _cpu_quantize(self, x, imatrix):
+        out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
+        weighted = imatrix is not None
+        qw = imatrix if weighted else np.zeros(x.shape[1], np.float32)
+        _quantize(self.kind, x, qw, weighted, out)
+        return out
+
+    def _cpu_dequantize(self, raw, n_per_row):
+        out = np.empty((raw.shape[0], n_per_row), np.float32)
+        _dequantize(self.kind, raw, out)
+        return out
+
+    def _cpu_matmul(self, raw, x, out):
+        _matmul(self.kind, raw, x, out)
+
+    def _cuda_quantize(self, x, imatrix):
+        from .cuda import kquants as k
+        return k.quantize(self, x, imatrix)
+
+    def _cuda_dequantize(self, raw, n_per_row):
+        from .cuda import kquants as k
+        return k.dequantize(self, raw, n_per_row)
+
+
+@register
+class Q2_K(_KQuant):
+    name, ggml_type, type_size = "Q2_K", T.Q2_K, 84
+
+
+@register
+class Q3_K(_KQuant):
+    name, ggml_type, type_size = "Q3_K", T.Q3_K, 110
+
+
+@register
+class Q4_K(_KQuant):
+    name, ggml_type, type_size = "Q4_K", T.Q4_K, 144
+
+
+@register
+class Q5_K(_KQuant):
+    name, ggml_type, type_size = "Q5_K", T.Q5_K, 176
+
+
+@register
+class Q6_K(_KQuant):
+    name, ggml_type, type_size = "Q6_K", T.Q6_K, 210
