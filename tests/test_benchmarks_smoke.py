@@ -1,0 +1,30 @@
+"""benchmarks/bench_formats.py still runs (tiny sizes, every registered format), so it cannot rot."""
+import runpy
+from pathlib import Path
+
+from ds4tools import formats
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_formats.py"
+
+
+def test_bench_formats_quick_run(capsys):
+    main = runpy.run_path(str(BENCH), run_name="bench_formats")["main"]
+    assert main(["--quick", "--sizes", "8x512"]) == 0
+    out = capsys.readouterr().out
+    for name in formats.FORMATS:
+        lines = [line for line in out.splitlines() if line.startswith(f"{name} ")]
+        assert len(lines) == 1 and "quantize" in lines[0] and "GB/s" in lines[0], (name, out)
+    stripped = [line.strip() for line in out.splitlines()]
+    assert sum(line.startswith("dequantize ") for line in stripped) == len(formats.FORMATS)
+    assert sum(line.startswith("matvec fused ") for line in stripped) == len(formats.FORMATS)
+    assert "vs ggml 2-thread" in out
+
+
+def test_bench_formats_rejects_a_bad_size():
+    main = runpy.run_path(str(BENCH), run_name="bench_formats")["main"]
+    try:
+        main(["--quick", "--sizes", "8by512"])
+    except SystemExit as e:
+        assert "bad size '8by512'" in str(e)
+    else:
+        raise AssertionError("a malformed --sizes must stop the benchmark")
