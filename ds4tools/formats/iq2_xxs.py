@@ -48,6 +48,8 @@ GRID_VALUES = np.asarray(_gguf_quants.IQ2_XXS.grid_map, dtype=np.float32)[GRID_L
 #: sign patterns: 7 stored bits -> 8 signs with even parity
 KSIGNS = np.frombuffer(_gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
 assert KSIGNS.shape == (128,) and GRID_LEVELS.max() <= 2
+#: the same patterns as factors +-1 (multiplying by them is exact, like ggml's sign select)
+SIGN_FACTORS = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -351,19 +353,25 @@ def iq2_xxs_quantize_block(xbl, qwl, code_map, neighbours, ob, scratch, ints):
 
 
 @njit(cache=True)
-def iq2_xxs_dequantize_block(ib, grid_values, ksigns, yb):
-    d = fp16_to_fp32(fp16_bits(ib, 0))
-    for b in range(8):
-        o = 2 + 8 * b
-        aux1 = (np.int64(ib[o + 4]) | (np.int64(ib[o + 5]) << 8) | (np.int64(ib[o + 6]) << 16)
-                | (np.int64(ib[o + 7]) << 24))
-        db = d * (np.float32(0.5) + np.float32(aux1 >> 28)) * np.float32(0.25)
+def _decode_superblock(raw, o0, d, grid_values, signs, y, y0):
+    """Super-block at raw[o0:o0+66] with scale d -> y[y0:y0+256], as ggml's
+    dequantize_row_iq2_xxs: db * grid * sign, db = d * (0.5 + s) * 0.25."""
+    for ib in range(8):
+        o = o0 + 2 + 8 * ib
+        aux1 = (np.uint32(raw[o + 4]) | (np.uint32(raw[o + 5]) << np.uint32(8))
+                | (np.uint32(raw[o + 6]) << np.uint32(16)) | (np.uint32(raw[o + 7]) << np.uint32(24)))
+        db = d * (np.float32(0.5) + np.float32(aux1 >> np.uint32(28))) * np.float32(0.25)
+        base = y0 + 32 * ib
         for l in range(4):
-            g = ib[o + l]
-            sg = ksigns[(aux1 >> (7 * l)) & 127]
+            g = raw[o + l]
+            sg = (aux1 >> np.uint32(7 * l)) & np.uint32(127)
             for j in range(8):
-                v = db * grid_values[g, j]
-                yb[32 * b + 8 * l + j] = -v if (sg >> j) & 1 else v
+                y[base + 8 * l + j] = db * grid_values[g, j] * signs[sg, j]
+
+
+@njit(cache=True)
+def iq2_xxs_dequantize_block(ib, grid_values, signs, yb):
+    _decode_superblock(ib, 0, fp16_to_fp32(fp16_bits(ib, 0)), grid_values, signs, yb, 0)
 
 
 @njit(parallel=True, cache=True)
@@ -380,25 +388,25 @@ def _iq2_xxs_quantize(x, imatrix, code_map, neighbours, out):
 
 
 @njit(parallel=True, cache=True)
-def _iq2_xxs_dequantize(raw, grid_values, ksigns, out):
+def _iq2_xxs_dequantize(raw, lut, grid_values, signs, out):
     rows, n = out.shape
-    nbl = n // QK_K
     for r in prange(rows):
-        for b in range(nbl):
-            iq2_xxs_dequantize_block(raw[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], grid_values,
-                                     ksigns, out[r, b * QK_K:(b + 1) * QK_K])
+        for b in range(n // QK_K):
+            o = b * BLOCK_BYTES
+            d = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
+            _decode_superblock(raw[r], o, d, grid_values, signs, out[r], b * QK_K)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _iq2_xxs_matmul(raw, grid_values, ksigns, x, out):
+def _iq2_xxs_matmul(raw, lut, grid_values, signs, x, out):
     n_out = raw.shape[0]
     k, n_in = x.shape
-    nbl = n_in // QK_K
     for r in prange(n_out):
         w = np.empty(n_in, np.float32)
-        for b in range(nbl):
-            iq2_xxs_dequantize_block(raw[r, b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], grid_values,
-                                     ksigns, w[b * QK_K:(b + 1) * QK_K])
+        for b in range(n_in // QK_K):
+            o = b * BLOCK_BYTES
+            d = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
+            _decode_superblock(raw[r], o, d, grid_values, signs, w, b * QK_K)
         for t in range(k):
             acc = np.float32(0.0)
             for i in range(n_in):
@@ -420,11 +428,11 @@ class IQ2_XXS(QuantFormat):
 
     def _cpu_dequantize(self, raw, n_per_row):
         out = np.empty((raw.shape[0], n_per_row), np.float32)
-        _iq2_xxs_dequantize(raw, GRID_VALUES, KSIGNS, out)
+        _iq2_xxs_dequantize(raw, FP16_TO_FP32, GRID_VALUES, SIGN_FACTORS, out)
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _iq2_xxs_matmul(raw, GRID_VALUES, KSIGNS, x, out)
+        _iq2_xxs_matmul(raw, FP16_TO_FP32, GRID_VALUES, SIGN_FACTORS, x, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

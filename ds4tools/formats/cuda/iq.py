@@ -113,14 +113,14 @@ def _iq2_xxs_quantize(x, w, code_map, neighbours, out):
 
 
 @cuda.jit
-def _iq2_xxs_dequantize(raw, grid_values, ksigns, out):
+def _iq2_xxs_dequantize(raw, grid_values, signs, out):
     i = cuda.grid(1)
     if i < out.shape[0]:
         ib = cuda.local.array(66, uint8)
         yb = cuda.local.array(256, float32)
         for j in range(66):
             ib[j] = raw[i, j]
-        I2.iq2_xxs_dequantize_block(ib, global_table(grid_values), global_table(ksigns), yb)
+        I2.iq2_xxs_dequantize_block(ib, global_table(grid_values), global_table(signs), yb)
         for j in range(256):
             out[i, j] = yb[j]
 
@@ -141,5 +141,5 @@ def dequantize_iq2_xxs(raw, n_per_row):
     d_out = cuda.device_array((blocks.shape[0], 256), np.float32)
     g, t = grid(blocks.shape[0])
     _iq2_xxs_dequantize[g, t](cuda.to_device(blocks), cuda.to_device(I2.GRID_VALUES),
-                              cuda.to_device(I2.KSIGNS), d_out)
+                              cuda.to_device(I2.SIGN_FACTORS), d_out)
     return d_out.copy_to_host().reshape(raw.shape[0], n_per_row)
