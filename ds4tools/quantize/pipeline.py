@@ -1,0 +1,162 @@
+"""Run a quantization: plan, then stream the tensors one at a time into the output GGUF.
+
+    >>> result = quantize_model("model-f16.gguf", "model-q4_k_m.gguf", QuantizeOptions("Q4_K_M"))
+    >>> print(result.summary)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION
+from gguf import GGUFValueType as V
+
+from .. import formats
+from ..errors import InvalidContentError, UsageError, about
+from ..gguf_io import GGUFStreamWriter
+from .plan import Plan, PlanEntry, build_plan, format_bytes
+from .source import ModelSource, open_source
+
+__all__ = ["QuantizeOptions", "QuantizeResult", "quantize_model", "load_imatrix_file"]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+@dataclass
+class QuantizeOptions:
+    type: str
+    pure: bool = False
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
+    tensor_types: list[str] = field(default_factory=list)
+    imatrix: str | None = None
+    threads: int | None = None
+    device: str = "cpu"
+    dry_run: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass
+class QuantizeResult:
+    plan: Plan
+    output: str | None
+    seconds: float
+    summary: str
+
+
+def load_imatrix_file(path: str):
+    """The importance matrix at ``path`` (llama.cpp's GGUF or .dat format)."""
+    from ..gguf_io.imatrix import load_imatrix
+    try:
+        return load_imatrix(path)
+    except (InvalidContentError, UsageError):
+        raise
+    except FileNotFoundError:
+        raise UsageError(about(path, "no such imatrix file")) from None
+    except (ValueError, OSError) as e:
+        msg = str(e)
+        raise InvalidContentError(msg if msg.startswith(os.fspath(path)) else about(path, msg)) from None
+
+
+def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> QuantizeResult:
+    """Quantize (or convert) ``src`` to ``out``; ``report`` receives warnings and notes."""
+    start = time.perf_counter()
+    if options.device not in formats.DEVICES:
+        raise UsageError(f"--device {options.device}: use one of {', '.join(formats.DEVICES)}")
+    if out is None and not options.dry_run:
+        raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run")
+    if options.threads is not None:
+        _set_threads(options.threads)
+    if options.device == "cuda":
+        try:
+            formats._check_device("cuda")
+        except ValueError as e:
+            raise UsageError(f"--device cuda: {e}") from None
+    source = open_source(src, report)
+    imatrix = load_imatrix_file(options.imatrix) if options.imatrix else None
+    plan = build_plan(source, options.type, pure=options.pure,
+                      output_type=options.output_tensor_type,
+                      token_embedding_type=options.token_embedding_type,
+                      tensor_types=options.tensor_types, imatrix=imatrix, imatrix_path=options.imatrix)
+    for note in source.notes + plan.warnings:
+        report(note)
+    if options.dry_run:
+        for err in plan.errors:
+            report(f"warning: {err} (the real run will stop here)")
+        return QuantizeResult(plan, None, time.perf_counter() - start, plan.table())
+    if plan.errors:
+        more = f" (and {len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""
+        raise UsageError(about(source.path, plan.errors[0] + more))
+
+    writer = GGUFStreamWriter(out, source.arch, inputs=source.paths, overwrite=options.overwrite)
+    try:
+        _declare(writer, source, plan, imatrix, options.imatrix)
+        writer.begin()
+        _stream(writer, source, plan, imatrix, options)
+        target = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    secs = time.perf_counter() - start
+    summary = (f"{target}: {len(plan.entries)} tensors, {format_bytes(plan.src_bytes)} -> "
+               f"{format_bytes(plan.out_bytes)}, {plan.bits_per_weight:.2f} bits per weight, "
+               f"{secs:.1f} s")
+    return QuantizeResult(plan, target, secs, summary)
+
+
+def _set_threads(n: int) -> None:
+    import numba
+    if n < 1:
+        raise UsageError(f"--threads {n}: must be at least 1")
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _declare(writer: GGUFStreamWriter, source: ModelSource, plan: Plan, imatrix, imatrix_path) -> None:
+    for k in source.metadata:
+        writer.add_key(k.key, k.value, k.vtype, k.sub_type)
+    writer.add_key("general.quantization_version", GGML_QUANT_VERSION, V.UINT32)
+    writer.add_key("general.file_type", plan.target.ftype, V.UINT32)
+    if imatrix is not None:
+        writer.add_key("quantize.imatrix.file", os.fspath(imatrix_path), V.STRING)
+        datasets = getattr(imatrix, "datasets", None) or []
+        if datasets:
+            writer.add_key("quantize.imatrix.dataset", str(datasets[0]), V.STRING)
+        writer.add_key("quantize.imatrix.entries_count", len(getattr(imatrix, "entries", {})), V.INT32)
+        chunks = getattr(imatrix, "chunk_count", None)
+        if chunks is not None:
+            writer.add_key("quantize.imatrix.chunks_count", int(chunks), V.INT32)
+    for e in plan.entries:
+        writer.add_tensor_info(e.name, e.shape, e.out_type)
+
+
+def _stream(writer, source: ModelSource, plan: Plan, imatrix, options: QuantizeOptions) -> None:
+    from tqdm import tqdm
+    tensors = {t.name: t for t in source.tensors}
+    with tqdm(total=plan.src_bytes, unit="B", unit_scale=True, desc="quantize",
+              disable=not options.progress, leave=False, file=sys.stderr) as bar:
+        for e in plan.entries:
+            bar.set_postfix_str(e.name, refresh=False)
+            writer.write_tensor(e.name, _produce(e, tensors[e.name], source, imatrix, options.device))
+            bar.update(e.src_bytes)
+
+
+def _produce(e: PlanEntry, t, source: ModelSource, imatrix, device: str) -> np.ndarray:
+    if e.action == "copy":
+        return t.raw()
+    values = t.load_float32()
+    weights = None
+    if e.imatrix == "file":
+        weights = imatrix.for_tensor(e.name, e.shape)
+    elif e.imatrix == "synthetic":
+        from ..gguf_io.imatrix import synthetic_imatrix
+        weights = synthetic_imatrix(values)
+    try:
+        return formats.quantize(values, e.out_type, imatrix=weights, device=device)
+    except ValueError as err:
+        raise InvalidContentError(about(source.path, f"tensor '{e.name}': {err}")) from None
