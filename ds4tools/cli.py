@@ -1,13 +1,82 @@
-"""The `ds4tools` command line: a thin layer over the library."""
+"""The `ds4tools` command line: a thin layer over the library.
+
+Every error is one line on stderr, ``ds4tools: <file>: <problem>``, and an exit code:
+0 success, 1 the input was read but is invalid, 2 it cannot be read or the usage is wrong.
+"""
+import contextlib
+import json
+import sys
+
 import click
 
 from . import __version__
+from .errors import Ds4Error
+
+
+@contextlib.contextmanager
+def _reported_errors():
+    try:
+        yield
+    except Ds4Error as e:
+        click.echo(f"ds4tools: {e}", err=True)
+        sys.exit(e.exit_code)
+    except OSError as e:  # a disk that fills up, a folder without write permission...
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        click.echo(f"ds4tools: {where}{e.strerror or e}", err=True)
+        sys.exit(2)
+    except MemoryError:
+        click.echo("ds4tools: out of memory", err=True)
+        sys.exit(1)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ds4tools")
 def main():
     """GGUF quantizer, inspector and numba engine with lossless speculative decoding."""
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.option("-o", "--output", "out", type=click.Path(), metavar="OUT.gguf",
+              help="Output GGUF (required unless --dry-run).")
+@click.option("--type", "type_", required=True, metavar="TYPE",
+              help="A llama.cpp mix (Q4_K_M, Q8_0, Q2_K, IQ2_XXS...) or any tensor type.")
+@click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
+              help="Type for tensors whose name matches REGEX (partial match, first wins).")
+@click.option("--output-tensor-type", metavar="TYPE", help="Type of output.weight.")
+@click.option("--token-embedding-type", metavar="TYPE", help="Type of token_embd.weight.")
+@click.option("--pure", is_flag=True, help="No mix rules: every weight gets TYPE.")
+@click.option("--imatrix", type=click.Path(), metavar="FILE",
+              help="llama.cpp importance matrix (GGUF or .dat).")
+@click.option("--threads", type=int, metavar="N", help="CPU threads for the kernels.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dry-run", is_flag=True, help="Print the per-tensor plan; write nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def quantize(src, out, type_, tensor_types, output_tensor_type, token_embedding_type, pure,
+             imatrix, threads, device, dry_run, overwrite):
+    """Quantize a GGUF, or convert a Hugging Face directory, to OUT.gguf."""
+    from .quantize import QuantizeOptions, quantize_model
+    opts = QuantizeOptions(type_, pure=pure, output_tensor_type=output_tensor_type,
+                           token_embedding_type=token_embedding_type,
+                           tensor_types=list(tensor_types), imatrix=imatrix, threads=threads,
+                           device=device, dry_run=dry_run, overwrite=overwrite)
+    with _reported_errors():
+        result = quantize_model(src, out, opts, report=lambda msg: click.echo(msg, err=True))
+    click.echo(result.summary)
+
+
+@main.command("inspect")
+@click.argument("file", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/cli.md).")
+@click.option("--tensors", is_flag=True, help="Add the tensor table and totals by type.")
+@click.option("--keys", metavar="PATTERN", help="Only metadata keys matching this regex.")
+def inspect_cmd(file, as_json, tensors, keys):
+    """Describe and validate a GGUF file (a split set is read from any of its shards)."""
+    from .inspect import inspect_file, render_text
+    with _reported_errors():
+        doc = inspect_file(file, tensors=tensors, keys=keys)
+    click.echo(json.dumps(doc, indent=2, ensure_ascii=False) if as_json else render_text(doc))
+    sys.exit(0 if doc["valid"] else 1)
 
 
 if __name__ == "__main__":

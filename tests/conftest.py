@@ -5,3 +5,60 @@ import os
 collect_ignore = ["cuda"]
 
 os.environ.setdefault("NUMBA_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+
+
+# --- tiny Hugging Face checkpoints and their GGUF conversions (tests/fixtures/hf_models.py) ---
+# Session-scoped: built once, shared by the quantize, inspect, engine and support-GGUF tests.
+# Treat them as read-only.
+import pytest  # noqa: E402
+
+from tests.fixtures import hf_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory):
+    """LlamaForCausalLM, 4 layers, hidden 256, GQA 4/2, Llama-3-style BPE (F32 safetensors)."""
+    return hf_models.build_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def hf_llama_sharded(tmp_path_factory):
+    """The same model as hf_llama, stored as BF16 in 3 shards with an index."""
+    return hf_models.build_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama-sharded",
+                                      shards=3, dtype="BF16")
+
+
+@pytest.fixture(scope="session")
+def hf_llama_spm(tmp_path_factory):
+    """LlamaForCausalLM, 2 layers, with a Llama-2-style (SentencePiece-like) tokenizer, F16."""
+    return hf_models.build_spm_llama(tmp_path_factory.mktemp("hf") / "tiny-llama-spm")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(tmp_path_factory):
+    """Qwen3ForCausalLM, 2 layers, head_dim 96, q/k norms, Qwen2-style BPE, padded vocab."""
+    return hf_models.build_tiny_qwen3(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_nextn(tmp_path_factory):
+    """hf_qwen3 plus one NextN/MTP layer (model.layers.2.*, num_nextn_predict_layers = 1)."""
+    return hf_models.build_tiny_qwen3(tmp_path_factory.mktemp("hf") / "tiny-qwen3-nextn", nextn=True)
+
+
+def _convert(src, out, type_name):
+    from ds4tools.quantize import QuantizeOptions, quantize_model
+    quantize_model(src, out, QuantizeOptions(type_name, progress=False), report=lambda msg: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gguf_llama_f32(hf_llama, tmp_path_factory):
+    """hf_llama converted to an F32 GGUF (llama.cpp's `llama` layout)."""
+    return _convert(hf_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama-f32.gguf", "F32")
+
+
+@pytest.fixture(scope="session")
+def gguf_qwen3_f32(hf_qwen3, tmp_path_factory):
+    """hf_qwen3 converted to an F32 GGUF (llama.cpp's `qwen3` layout)."""
+    return _convert(hf_qwen3, tmp_path_factory.mktemp("gguf") / "tiny-qwen3-f32.gguf", "F32")
