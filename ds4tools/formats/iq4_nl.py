@@ -27,6 +27,7 @@ assert KVALUES.shape == (16,) and (np.diff(KVALUES) > 0).all()
 #: decision points between neighbouring levels, and the step from one level to the next
 MIDPOINTS = ((KVALUES[:-1].astype(np.float64) + KVALUES[1:]) / 2).astype(np.float32)
 STEPS = np.diff(KVALUES).astype(np.float32)
+_KVALUES_I8 = KVALUES.astype(np.int8)
 
 _GROUP_MAX_EPS = np.float32(1e-15)
 _NTRY = 7
@@ -146,10 +147,13 @@ def _iq4_nl_dequantize(raw, lut, values, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _iq4_nl_matmul(raw, lut, values, x, out):
+def _iq4_nl_matmul(raw, lut, values, x, out, qk):
+    # qk (= 32) arrives at run time: LLVM then vectorizes the block dot products instead of
+    # unrolling them into scalar code. The order of every sum is fixed by the compiled code,
+    # the same for each token t, so results do not depend on the batch size.
     n_out = raw.shape[0]
     k, n_in = x.shape
-    nb = n_in // QK
+    nb = n_in // qk
     for r in prange(n_out):
         q = np.empty(n_in, np.float32)
         d = np.empty(nb, np.float32)
@@ -161,11 +165,14 @@ def _iq4_nl_matmul(raw, lut, values, x, out):
                 q[b * QK + j] = values[byte & 0xF]
                 q[b * QK + 16 + j] = values[byte >> 4]
         for t in range(k):
+            xt = x[t]
             acc = np.float32(0.0)
             for b in range(nb):
+                qb = q[b * qk:(b + 1) * qk]
+                xb = xt[b * qk:(b + 1) * qk]
                 s = np.float32(0.0)
-                for j in range(QK):
-                    s += q[b * QK + j] * x[t, b * QK + j]
+                for j in range(qk):
+                    s += qb[j] * xb[j]
                 acc += d[b] * s
             out[t, r] = acc
 
@@ -191,12 +198,12 @@ def quantize_activations_q8_0(x, qx, dx):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out):
+def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, qk):
     n_out = raw.shape[0]
     k, n_in = qx.shape
-    nb = n_in // QK
+    nb = n_in // qk
     for r in prange(n_out):
-        q = np.empty(n_in, np.int16)
+        q = np.empty(n_in, np.int8)
         d = np.empty(nb, np.float32)
         for b in range(nb):
             o = b * BLOCK_BYTES
@@ -206,11 +213,14 @@ def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out):
                 q[b * QK + j] = values_i8[byte & 0xF]
                 q[b * QK + 16 + j] = values_i8[byte >> 4]
         for t in range(k):
+            xt = qx[t]
             acc = np.float32(0.0)
             for b in range(nb):
-                s = np.int32(0)
-                for j in range(QK):
-                    s += np.int32(q[b * QK + j]) * np.int32(qx[t, b * QK + j])
+                qb = q[b * qk:(b + 1) * qk]
+                xb = xt[b * qk:(b + 1) * qk]
+                s = np.int32(0)  # exact: |127 * 127 * 32| fits easily
+                for j in range(qk):
+                    s += np.int32(np.int16(qb[j]) * np.int16(xb[j]))
                 acc += d[b] * dx[t, b] * np.float32(s)
             out[t, r] = acc
 
@@ -234,13 +244,13 @@ class IQ4_NL(QuantFormat):
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _iq4_nl_matmul(raw, FP16_TO_FP32, KVALUES, x, out)
+        _iq4_nl_matmul(raw, FP16_TO_FP32, KVALUES, x, out, QK)
 
     def _cpu_matmul_int8(self, raw, x, out):
         qx = np.empty(x.shape, np.int8)
         dx = np.empty((x.shape[0], x.shape[1] // QK), np.float32)
         quantize_activations_q8_0(x, qx, dx)
-        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, KVALUES.astype(np.int8), qx, dx, out)
+        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, qx, dx, out, QK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k
