@@ -1,0 +1,185 @@
+"""``Engine``: load a llama / qwen3 GGUF and generate text with it.
+
+    >>> from ds4tools import Engine
+    >>> eng = Engine("model-q8_0.gguf")          # Engine() runs the bundled demo model
+    >>> for tok in eng.generate("def fib(n):", max_tokens=32, temperature=0):
+    ...     print(tok.text, end="", flush=True)
+    >>> eng.last_stats.decode_tps
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Iterator
+
+import numba
+import numpy as np
+
+from ..errors import InvalidContentError, UsageError, about
+from ..gguf_io.reader import open_gguf
+from .generate import GenerationStats, decode
+from .hparams import HParamsError, SUPPORTED_ARCHITECTURES, hparams_from_metadata
+from .kv_cache import CACHE_TYPES
+from .sampling import Sampler
+from .tokenizer import GGUFTokenizer, TokenizerError
+from .transformer import DEFAULT_CHUNK, ForwardResult, Transformer
+from .weights import WeightsError, load_weights
+
+#: context size when none is asked for (capped by the model's training context)
+DEFAULT_CTX = 4096
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    id: int
+    text: str      # the new complete UTF-8 text this token finished (may be "")
+
+
+def set_threads(n: int | None) -> int:
+    """Use n numba threads (at most the pool size fixed at start-up); returns the count used."""
+    if n is not None:
+        if n < 1:
+            raise UsageError(f"--threads {n}: must be at least 1")
+        numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
+    return numba.get_num_threads()
+
+
+def _not_a_model(f) -> str | None:
+    """Why an opened GGUF is not a model the engine runs (None if it looks like one)."""
+    from ..inspect.kinds import detect_kind
+    kind = detect_kind(f)
+    if kind != "model":
+        if kind == "unknown":
+            return "holds no model (no tensors or no general.architecture)"
+        article = "an" if kind[:1] in "aeiou" else "a"
+        return f"is {article} {kind} file, not a model; give the target model with -m"
+    if f.architecture not in SUPPORTED_ARCHITECTURES:
+        return (f"unsupported architecture {f.architecture!r} "
+                f"(the engine runs: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "token_embd.weight" not in f.tensors:
+        return "missing tensor token_embd.weight: not a complete model"
+    return None
+
+
+class Engine:
+    """A loaded model, its tokenizer and KV cache.
+
+    ``model_path=None`` runs the bundled demo model (converted on first use, see
+    ``ds4tools.engine.demo``). ``exact=True`` keeps every matmul on the float32-activation path
+    (bit-reproducible against the dequantized weights); otherwise formats with ggml's
+    int8-activation path use it. ``cache_type``: "f32" or "f16"."""
+
+    def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
+                 cache_type: str = "f32", exact: bool = False, chunk: int = DEFAULT_CHUNK,
+                 progress: bool = True):
+        if cache_type not in CACHE_TYPES:
+            raise UsageError(f"--cache-type {cache_type}: use {' or '.join(CACHE_TYPES)}")
+        if n_ctx is not None and n_ctx < 1:
+            raise UsageError(f"--ctx {n_ctx}: must be at least 1")
+        self.threads = set_threads(threads)
+        if model_path is None:
+            from .demo import demo_model_path
+            model_path = demo_model_path(progress=progress)
+        path = os.fspath(model_path)
+        if os.path.isdir(path):
+            raise UsageError(about(path, "is a directory; convert it first with "
+                                         "`ds4tools quantize DIR -o MODEL.gguf --type Q8_0`"))
+        if not os.path.exists(path):
+            raise UsageError(about(path, "no such file"))
+        self.gguf = open_gguf(path)
+        self.path = path
+        why = _not_a_model(self.gguf)
+        if why:
+            raise InvalidContentError(about(path, why))
+        meta = self.gguf.metadata
+        try:
+            embd = self.gguf.tensors["token_embd.weight"]
+            self.hparams = hparams_from_metadata(meta, n_vocab_tensor=int(embd.shape[0]))
+            self.weights = load_weights(self.gguf.tensors, self.hparams, int8=not exact)
+            self.tokenizer = GGUFTokenizer(meta)
+        except (HParamsError, WeightsError, TokenizerError) as e:
+            raise InvalidContentError(about(path, str(e))) from None
+        if self.tokenizer.n_vocab > self.hparams.n_vocab:
+            raise InvalidContentError(about(path, f"the tokenizer has {self.tokenizer.n_vocab} tokens "
+                                                  f"but the model only {self.hparams.n_vocab} rows"))
+        self.exact = exact
+        ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
+        self.model = Transformer(self.hparams, self.weights, n_ctx=ctx, cache_type=cache_type,
+                                 chunk=chunk)
+        self.last_stats: GenerationStats | None = None
+
+    # --- pieces ---------------------------------------------------------------------------------
+
+    @property
+    def n_ctx(self) -> int:
+        return self.model.n_ctx
+
+    @property
+    def cache(self):
+        return self.model.cache
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(ids)
+
+    def forward(self, tokens, start_pos: int, **kw) -> ForwardResult:
+        """Transformer.forward on this engine's cache (see there)."""
+        return self.model.forward(tokens, start_pos, **kw)
+
+    def set_exact(self, exact: bool) -> None:
+        """Switch between the float32 (exact) and int8-activation matmul paths."""
+        self.exact = bool(exact)
+        self.weights.set_int8(not exact)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        """The prompt's tokens, checked: not empty and within the context."""
+        if not prompt:
+            raise UsageError("the prompt is empty")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise UsageError("the prompt gives no tokens")
+        if len(ids) > self.n_ctx:
+            raise UsageError(f"the prompt is {len(ids)} tokens, longer than the context of "
+                             f"{self.n_ctx} (--ctx)")
+        return ids
+
+    def generate(self, prompt: str, max_tokens: int = 128, *, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 seed: int | None = None, sampler: Sampler | None = None,
+                 stop_at_eog: bool = True) -> Iterator[GeneratedToken]:
+        """Yield the continuation of ``prompt`` token by token (not the prompt itself).
+
+        Stops after ``max_tokens``, at an end-of-generation token (not yielded), or when the
+        context is full. Timings land in ``self.last_stats`` (complete once the iteration
+        ends). Deterministic for a given seed (seed=None draws one; see last_stats.seed)."""
+        ids = self.prompt_tokens(prompt)
+        if max_tokens < 0:
+            raise UsageError(f"-n {max_tokens}: must not be negative")
+        try:
+            sampler = sampler or Sampler(temperature, top_k, top_p, min_p)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if seed is None:
+            seed = secrets.randbits(32)
+        stats = GenerationStats(seed=int(seed))
+        self.last_stats = stats
+        return self._stream(ids, max_tokens, sampler, np.random.default_rng(int(seed)),
+                            stop_at_eog, stats)
+
+    def _stream(self, ids, max_tokens, sampler, rng, stop_at_eog, stats):
+        # Each token yields the complete UTF-8 text it finishes; a character split over
+        # tokens comes out with its last byte. One left unfinished at the very end is dropped.
+        text = self.tokenizer.stream()
+        eog = self.tokenizer.eog_ids if stop_at_eog else frozenset()
+        for tok in decode(self.model, ids, max_tokens, sampler, rng, eog, stats):
+            yield GeneratedToken(tok, text.feed(tok))
+
+    def __repr__(self) -> str:
+        hp = self.hparams
+        return (f"<Engine {self.path!r}: {hp.arch}, {hp.n_layer} layers, {hp.n_embd} wide, "
+                f"ctx {self.n_ctx}, {'exact' if self.exact else 'int8 where available'}>")

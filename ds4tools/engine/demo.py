@@ -1,0 +1,65 @@
+"""The bundled default model: ``ds4tools/data/demo/target`` (a Hugging Face checkpoint shipped
+with the package), converted and quantized to Q8_0 on first use into the user's cache.
+
+The cached file is named by a hash of the checkpoint's files and of the package version, so an
+updated checkpoint (or converter) gets a fresh conversion and an unchanged one is reused.
+Cache directory: ``$DS4TOOLS_CACHE``, else ``$XDG_CACHE_HOME/ds4tools``, else
+``~/.cache/ds4tools``. ``$DS4TOOLS_DEMO_SOURCE`` points at another checkpoint (tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..errors import UsageError
+
+DEMO_TYPE = "Q8_0"
+
+
+def demo_source() -> Path:
+    env = os.environ.get("DS4TOOLS_DEMO_SOURCE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "data" / "demo" / "target"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("DS4TOOLS_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "ds4tools"
+
+
+def source_hash(folder: Path) -> str:
+    """sha256 over the checkpoint's file names and contents (sorted), and the package version."""
+    h = hashlib.sha256(f"ds4tools {__version__} {DEMO_TYPE}\n".encode())
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(folder)).encode() + b"\0")
+        with open(p, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def demo_model_path(progress: bool = True, report=None) -> Path:
+    """The demo GGUF, converting it first if the cache does not have it yet."""
+    src = demo_source()
+    if not (src / "config.json").is_file():
+        raise UsageError(f"{src}: the bundled demo model is not installed; pass a model with -m MODEL.gguf")
+    target = cache_dir() / f"demo-{source_hash(src)}-{DEMO_TYPE.lower()}.gguf"
+    if target.is_file():
+        return target
+    from ..quantize import QuantizeOptions, quantize_model
+    say = report or (lambda msg: print(msg, file=sys.stderr))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say(f"ds4tools: preparing the demo model (first use): {src} -> {target}")
+    # quantize_model writes a temporary file beside the target and renames it into place, so
+    # an interrupted run leaves nothing half-written under the final name.
+    quantize_model(src, target, QuantizeOptions(DEMO_TYPE, progress=progress, overwrite=True),
+                   report=lambda msg: None)
+    return target

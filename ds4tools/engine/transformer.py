@@ -1,0 +1,212 @@
+"""The llama / qwen3 decoder, top to bottom.
+
+    x = embed(tokens)
+    for each layer:
+        h = rmsnorm(x) ; q, k, v = h Wq, h Wk, h Wv (+ biases)
+        qwen3: q, k = rmsnorm per head (q_norm, k_norm)
+        q, k = rope(q, k)            llama: adjacent pairs ("norm"), qwen3: halves ("neox")
+        cache[positions] = k, v ; a = attention(q, cache rows [0, limit)) ; x += a Wo
+        h = rmsnorm(x) ; x += (silu(h Wg) * h Wu) Wd
+    logits = rmsnorm(x) Wout         (Wout = token embedding when tied)
+
+The two architectures differ only by the per-head q/k norm and the rope pairing.
+Every step is one compiled call over all rows of the batch; rows never interact except through
+the cache, so a token's logits do not depend on how many tokens shared its forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import kernels
+from .hparams import HParams
+from .kv_cache import KVCache
+from .weights import LayerWeights, ModelWeights
+
+#: rows per internal pass: long inputs (prefill) run in chunks of this many tokens
+DEFAULT_CHUNK = 32
+
+
+@dataclass
+class ForwardResult:
+    logits: np.ndarray | None                 # (k, n_vocab) float32, or (1, n_vocab) for "last"
+    hidden: dict = field(default_factory=dict)  # layer -> (k, n_embd) raw layer outputs
+    final_hidden: np.ndarray | None = None    # (k, n_embd) after the final norm
+
+
+class Workspace:
+    """Activation buffers for up to ``rows`` rows, reused by every forward (fresh arrays per
+    call would cost page faults); kernels get C-contiguous leading slices of them."""
+
+    def __init__(self, hp: HParams, rows: int):
+        f = np.float32
+        self.rows = rows
+        self.norm = np.empty((rows, hp.n_embd), f)
+        self.q = np.empty((rows, hp.n_head, hp.head_dim), f)
+        self.k = np.empty((rows, hp.n_head_kv, hp.head_dim), f)
+        self.v = np.empty((rows, hp.n_head_kv, hp.head_dim), f)
+        self.attn = np.empty((rows, hp.n_head, hp.head_dim), f)
+        self.proj = np.empty((rows, hp.n_embd), f)
+        self.gate = np.empty((rows, hp.n_ff), f)
+        self.up = np.empty((rows, hp.n_ff), f)
+        self.logits = np.empty((rows, hp.n_vocab), f)
+
+
+def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, layer: int,
+                  positions: np.ndarray, limits: np.ndarray, rope: tuple, ws: Workspace) -> None:
+    """One decoder layer on x (k, n_embd), in place (x is the residual stream).
+
+    Writes this layer's K/V rows at ``positions`` into ``cache`` (layer index ``layer``) and
+    lets query row t attend to cache rows [0, limits[t]): causal decoding uses
+    limits = positions + 1; a drafter can pass any prefix (e.g. a bidirectional block)."""
+    k = x.shape[0]
+    h = ws.norm[:k]
+    q = ws.q[:k]
+    kr = ws.k[:k]
+    vr = ws.v[:k]
+    kernels.rmsnorm(x, lw.attn_norm, hp.rms_eps, h)
+    lw.wq.matmul(h, q.reshape(k, hp.n_q))
+    lw.wk.matmul(h, kr.reshape(k, hp.n_kv))
+    lw.wv.matmul(h, vr.reshape(k, hp.n_kv))
+    if lw.bq is not None:
+        kernels.add_bias(q.reshape(k, hp.n_q), lw.bq)
+    if lw.bk is not None:
+        kernels.add_bias(kr.reshape(k, hp.n_kv), lw.bk)
+    if lw.bv is not None:
+        kernels.add_bias(vr.reshape(k, hp.n_kv), lw.bv)
+    if lw.q_norm is not None:
+        q2 = q.reshape(k * hp.n_head, hp.head_dim)
+        kernels.rmsnorm_serial(q2, lw.q_norm, hp.rms_eps, q2)
+    if lw.k_norm is not None:
+        k2 = kr.reshape(k * hp.n_head_kv, hp.head_dim)
+        kernels.rmsnorm_serial(k2, lw.k_norm, hp.rms_eps, k2)
+    cos, sin = rope
+    neox = hp.rope_type == "neox"
+    kernels.rope(q, positions, cos, sin, neox)
+    kernels.rope(kr, positions, cos, sin, neox)
+    cache.store(layer, kr, vr, positions)
+    a = ws.attn[:k]
+    cache.attend(layer, q, limits, hp.attention_scale, a)
+    o = ws.proj[:k]
+    lw.wo.matmul(a.reshape(k, hp.n_q), o)
+    if lw.bo is not None:
+        kernels.add_bias(o, lw.bo)
+    kernels.add_into(x, o)
+
+    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
+    g = ws.gate[:k]
+    u = ws.up[:k]
+    lw.w_gate.matmul(h, g)
+    lw.w_up.matmul(h, u)
+    kernels.swiglu(g, u, g)
+    lw.w_down.matmul(g, o)
+    kernels.add_into(x, o)
+
+
+class Transformer:
+    """A llama / qwen3 model: weights, rope tables, a workspace, and its KV cache."""
+
+    def __init__(self, hp: HParams, weights: ModelWeights, *, n_ctx: int,
+                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
+        if n_ctx <= 0:
+            raise ValueError(f"context size must be positive, got {n_ctx}")
+        if not 1 <= chunk <= 32:
+            raise ValueError(f"chunk must be in 1..32, got {chunk}")
+        self.hp = hp
+        self.weights = weights
+        self.n_ctx = n_ctx
+        self.chunk = chunk
+        self.rope = kernels.rope_tables(
+            n_ctx, hp.n_rot, hp.rope_freq_base, freq_scale=hp.rope_freq_scale,
+            freq_factors=weights.rope_freqs, yarn=hp.yarn)
+        self.ws = Workspace(hp, chunk)
+        self.cache_type = cache_type
+        self.cache = self.new_cache()
+
+    def new_cache(self, n_ctx: int | None = None) -> KVCache:
+        hp = self.hp
+        return KVCache(hp.n_layer, hp.n_head_kv, n_ctx or self.n_ctx, hp.head_dim, self.cache_type)
+
+    def embed(self, tokens) -> np.ndarray:
+        """Token embeddings (k, n_embd) float32."""
+        return self.weights.token_embd.rows(tokens)
+
+    def output(self, x: np.ndarray, out: np.ndarray | None = None):
+        """Final norm and logits of rows x (k, n_embd): returns (normed, logits)."""
+        k = x.shape[0]
+        normed = np.empty_like(x)
+        kernels.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
+        if out is None:
+            out = np.empty((k, self.hp.n_vocab), np.float32)
+        self.weights.output.matmul(normed, out)
+        return normed, out
+
+    def forward(self, tokens, start_pos: int, *, hidden_layers=(), want_final_hidden: bool = False,
+                logits: str = "all", cache: KVCache | None = None) -> ForwardResult:
+        """Run tokens (k,) at positions start_pos.. through the model.
+
+        Writes K/V for those positions and sets the cache length to start_pos + k (start_pos
+        may be below the length: the rows are overwritten, an implicit truncate). Returns
+        logits for every row ("all"), only the last ("last") or none ("none"), the raw
+        outputs of ``hidden_layers`` and, if asked, the final normed hidden state."""
+        cache = self.cache if cache is None else cache
+        tokens = np.ascontiguousarray(np.asarray(tokens, np.int64).reshape(-1))
+        k = tokens.shape[0]
+        if k == 0:
+            raise ValueError("forward needs at least one token")
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        if not 0 <= start_pos <= cache.length:
+            raise ValueError(f"start position {start_pos} is past the cache length {cache.length}")
+        if start_pos + k > cache.n_ctx:
+            raise ValueError(f"{start_pos + k} positions do not fit the context of {cache.n_ctx}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.hp.n_vocab:
+            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        hidden_layers = tuple(sorted(set(int(i) for i in hidden_layers)))
+        for i in hidden_layers:
+            if not 0 <= i < self.hp.n_layer:
+                raise ValueError(f"hidden layer {i} outside 0..{self.hp.n_layer - 1}")
+
+        want_rows = logits == "all" or want_final_hidden
+        hidden = {i: [] for i in hidden_layers}
+        finals, logit_rows = [], []
+        cache.length = start_pos  # rows at and above start_pos are rewritten now
+        for c0 in range(0, k, self.chunk):
+            c1 = min(k, c0 + self.chunk)
+            x = self.embed(tokens[c0:c1])
+            positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
+            self.run_layers(x, positions, positions + 1, cache, hidden)
+            cache.length = start_pos + c1
+            last_chunk = c1 == k
+            if want_rows:
+                normed, lg = self.output(x) if logits == "all" else (self._norm(x), None)
+                finals.append(normed)
+                if lg is not None:
+                    logit_rows.append(lg)
+            if logits == "last" and last_chunk:
+                logit_rows.append(self.output(x[-1:])[1])
+        result = ForwardResult(None, {i: np.concatenate(v) for i, v in hidden.items()})
+        if logit_rows:
+            result.logits = logit_rows[0] if len(logit_rows) == 1 else np.concatenate(logit_rows)
+        if want_final_hidden:
+            result.final_hidden = finals[0] if len(finals) == 1 else np.concatenate(finals)
+        return result
+
+    def run_layers(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray,
+                   cache: KVCache, hidden: dict | None = None, layers=None) -> None:
+        """All decoder layers (or ``layers``, an iterable of indices) on x (k <= chunk rows),
+        in place; copies of the raw outputs of the layers in ``hidden`` are appended there."""
+        if x.shape[0] > self.ws.rows:
+            raise ValueError(f"{x.shape[0]} rows exceed the workspace of {self.ws.rows}")
+        for il in (range(self.hp.n_layer) if layers is None else layers):
+            layer_forward(x, self.weights.layers[il], self.hp, cache, il, positions, limits,
+                          self.rope, self.ws)
+            if hidden is not None and il in hidden:
+                hidden[il].append(x.copy())
+
+    def _norm(self, x: np.ndarray) -> np.ndarray:
+        normed = np.empty_like(x)
+        kernels.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
+        return normed
