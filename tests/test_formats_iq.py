@@ -152,3 +152,35 @@ def test_iq4_nl_int8_matmul_is_close_and_batch_invariant():
     for k in (1, 4, 9):
         part = formats.matmul(raw, "IQ4_NL", w.shape, x[:k], int8=True)
         np.testing.assert_array_equal(part.view(np.uint32), fast[:k].view(np.uint32))
+
+
+def test_iq2_xxs_int8_matmul_is_close_and_batch_invariant():
+    rng = np.random.default_rng(10)
+    w = rng.standard_normal((40, 512)).astype(np.float32)
+    raw = formats.quantize(w, "IQ2_XXS", imatrix=rng.random(512).astype(np.float32) + 0.1)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    x[3] = 0.0  # an all-zero token: Q8_K's zero scale
+    exact = formats.matmul(raw, "IQ2_XXS", w.shape, x)
+    fast = formats.matmul(raw, "IQ2_XXS", w.shape, x, int8=True)
+    assert np.abs(fast - exact).max() <= 2e-2 * np.abs(exact).max()
+    assert (fast[3] == 0).all()
+    for k in (1, 4, 9):
+        part = formats.matmul(raw, "IQ2_XXS", w.shape, x[:k], int8=True)
+        np.testing.assert_array_equal(part.view(np.uint32), fast[:k].view(np.uint32))
+
+
+def test_q8_k_activations_match_ggml_rounding():
+    # ggml's quantize_row_q8_K: iscale = -127 / (signed value of largest magnitude),
+    # q = min(127, nearest_int(iscale * x)), d = 1 / iscale
+    x = np.random.default_rng(11).standard_normal((3, 512)).astype(np.float32)
+    qx = np.empty(x.shape, np.int8)
+    dx = np.empty((3, 2), np.float32)
+    iq2_xxs.quantize_activations_q8_k(x, qx, dx)
+    for t in range(3):
+        for b in range(2):
+            blk = x[t, 256 * b:256 * (b + 1)]
+            vmax = blk[np.argmax(np.abs(blk))]
+            iscale = np.float32(-127.0) / vmax
+            expect = np.minimum(127, np.rint(iscale * blk)).astype(np.int8)
+            np.testing.assert_array_equal(qx[t, 256 * b:256 * (b + 1)], expect)
+            assert dx[t, b] == np.float32(1.0) / iscale

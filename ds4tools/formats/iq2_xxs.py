@@ -50,6 +50,8 @@ KSIGNS = np.frombuffer(_gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
 assert KSIGNS.shape == (128,) and GRID_LEVELS.max() <= 2
 #: the same patterns as factors +-1 (multiplying by them is exact, like ggml's sign select)
 SIGN_FACTORS = np.where((KSIGNS[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32)
+_GRID_I8 = GRID_VALUES.astype(np.int8)
+_SIGNS_I8 = SIGN_FACTORS.astype(np.int8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,11 +416,83 @@ def _iq2_xxs_matmul(raw, lut, grid_values, signs, x, out):
             out[t, r] = acc
 
 
+# --- int8 activations (ggml's vec_dot_type for IQ2_XXS is Q8_K: int8 per 256, float scale) ---
+
+
+@njit(parallel=True, cache=True)
+def quantize_activations_q8_k(x, qx, dx):
+    """x (k, n) -> int8 qx and float32 scales dx (k, n // 256), as ggml's quantize_row_q8_K."""
+    k, n = x.shape
+    for t in prange(k):
+        for b in range(n // QK_K):
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for j in range(b * QK_K, (b + 1) * QK_K):
+                ax = abs(x[t, j])
+                if ax > amax:
+                    amax = ax
+                    vmax = x[t, j]
+            if amax == 0:
+                dx[t, b] = np.float32(0.0)
+                for j in range(b * QK_K, (b + 1) * QK_K):
+                    qx[t, j] = 0
+                continue
+            iscale = np.float32(-127.0) / vmax
+            for j in range(b * QK_K, (b + 1) * QK_K):
+                qx[t, j] = min(127, nearest_int(iscale * x[t, j]))
+            dx[t, b] = np.float32(1.0) / iscale
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _iq2_xxs_matmul_int8(raw, lut, grid_i8, signs_i8, qx, dx, out, qk):
+    # ggml's vec_dot_iq2_xxs_q8_K: per 32-block an integer dot product times the odd block
+    # scale 2s+1, per super-block times d_w * d_x, and 1/8 at the end. qk (= 32) arrives at run
+    # time so the block dot products vectorize; the order of every sum is fixed for all t.
+    n_out = raw.shape[0]
+    k, n_in = qx.shape
+    nbl = n_in // QK_K
+    for r in prange(n_out):
+        q = np.empty(n_in, np.int8)
+        ls = np.empty(n_in // qk, np.int32)
+        d = np.empty(nbl, np.float32)
+        row = raw[r]
+        for b in range(nbl):
+            o0 = b * BLOCK_BYTES
+            d[b] = lut[np.int64(row[o0]) | (np.int64(row[o0 + 1]) << 8)]
+            for ib in range(8):
+                o = o0 + 2 + 8 * ib
+                aux1 = (np.uint32(row[o + 4]) | (np.uint32(row[o + 5]) << np.uint32(8))
+                        | (np.uint32(row[o + 6]) << np.uint32(16)) | (np.uint32(row[o + 7]) << np.uint32(24)))
+                ls[8 * b + ib] = 2 * np.int32(aux1 >> np.uint32(28)) + 1
+                base = b * QK_K + 32 * ib
+                for l in range(4):
+                    g = row[o + l]
+                    sg = (aux1 >> np.uint32(7 * l)) & np.uint32(127)
+                    for j in range(8):
+                        q[base + 8 * l + j] = grid_i8[g, j] * signs_i8[sg, j]
+        for t in range(k):
+            xt = qx[t]
+            acc = np.float32(0.0)
+            for b in range(nbl):
+                bsum = np.int32(0)
+                for ib in range(8):
+                    lo = b * QK_K + ib * qk
+                    qb = q[lo:lo + qk]
+                    xb = xt[lo:lo + qk]
+                    s = np.int32(0)
+                    for j in range(qk):
+                        s += np.int32(np.int16(qb[j]) * np.int16(xb[j]))
+                    bsum += s * ls[8 * b + ib]
+                acc += d[b] * dx[t, b] * np.float32(bsum)
+            out[t, r] = np.float32(0.125) * acc
+
+
 @register
 class IQ2_XXS(QuantFormat):
     name, ggml_type, block_size, type_size = "IQ2_XXS", T.IQ2_XXS, QK_K, BLOCK_BYTES
     uses_imatrix = True
     requires_imatrix = True  # ggml_quantize_requires_imatrix
+    has_int8_matmul = True
 
     def _cpu_quantize(self, x, imatrix):
         code_map, neighbours = search_tables()
@@ -433,6 +507,12 @@ class IQ2_XXS(QuantFormat):
 
     def _cpu_matmul(self, raw, x, out):
         _iq2_xxs_matmul(raw, FP16_TO_FP32, GRID_VALUES, SIGN_FACTORS, x, out)
+
+    def _cpu_matmul_int8(self, raw, x, out):
+        qx = np.empty(x.shape, np.int8)
+        dx = np.empty((x.shape[0], x.shape[1] // QK_K), np.float32)
+        quantize_activations_q8_k(x, qx, dx)
+        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_I8, _SIGNS_I8, qx, dx, out, 32)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k
