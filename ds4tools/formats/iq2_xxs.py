@@ -73,16 +73,17 @@ def search_tables() -> tuple[np.ndarray, np.ndarray]:
     diff = 2 * (GRID_LEVELS[None, :, :].astype(np.int64) - levels[:, None, :])
     dist2 = (diff * diff).sum(axis=2)
     order = np.argsort(dist2, axis=1, kind="stable")  # ties by grid index, as ggml's qsort key
-    parts = []
-    offset = 0
-    for row, code in enumerate(codes):
-        d = dist2[row, order[row]]
-        second = d[d > d[0]][0]  # the two smallest distinct distances (ggml's nwant = 2)
-        nearest = order[row, :int(np.searchsorted(d, second, side="right"))]
-        code_map[code] = -(offset + 1)
-        parts.append(np.concatenate(([len(nearest)], GRID_CODES[nearest])))
-        offset += 1 + len(nearest)
-    neighbours = np.concatenate(parts).astype(np.int32)
+    ranked = np.take_along_axis(dist2, order, axis=1)
+    # keep the grid points at the two smallest distinct distances (ggml's nwant = 2)
+    second = ranked[np.arange(len(codes)), np.argmax(ranked > ranked[:, :1], axis=1)]
+    counts = (ranked <= second[:, None]).sum(axis=1)
+    starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
+    code_map[codes] = -(starts + 1)
+    neighbours = np.empty(int((counts + 1).sum()), np.int32)
+    neighbours[starts] = counts
+    keep = np.arange(256)[None, :] < counts[:, None]
+    slots = starts[:, None] + 1 + np.arange(256)[None, :]
+    neighbours[slots[keep]] = GRID_CODES[order[keep]]
     return code_map, neighbours
 
 
