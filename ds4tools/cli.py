@@ -76,7 +76,11 @@ def inspect_cmd(file, as_json, tensors, keys):
     with _reported_errors():
         doc = inspect_file(file, tensors=tensors, keys=keys)
     click.echo(json.dumps(doc, indent=2, ensure_ascii=False) if as_json else render_text(doc))
-    sys.exit(0 if doc["valid"] else 1)
+    if not doc["valid"]:
+        errors = [x["message"] for x in doc["findings"] if x["level"] == "error"]
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+        click.echo(f"ds4tools: {file}: {errors[0]}{more}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def _walk(buf, size: int, path: str) -> HeaderLayout:
         raise UnreadableError(about(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')"))
     cur.pos = 4
     version = cur.take("<I", "version")
-    if version & 0xFFFF == 0 and (version >> 16) in (1, 2, 3):
+    if version & 0xFFFF == 0 and int.from_bytes(version.to_bytes(4, "little"), "big") in (1, 2, 3):
         raise UnreadableError(about(path, "big-endian GGUF files are not supported"))
     if version not in SUPPORTED_VERSIONS:
         raise UnreadableError(about(
@@ -171,12 +171,12 @@ def _walk(buf, size: int, path: str) -> HeaderLayout:
     left = size - cur.pos
     if n_kv > left // _MIN_KV_BYTES:
         raise UnreadableError(about(
-            path, f"header claims {n_kv} key/value pairs, but the file has only {left} bytes "
-                  f"left (at least {_MIN_KV_BYTES} bytes each)"))
+            path, f"truncated or corrupt header: it claims {n_kv} key/value pairs, but the file "
+                  f"has only {left} bytes left (at least {_MIN_KV_BYTES} bytes each)"))
     if n_tensors > left // _MIN_TENSOR_INFO_BYTES:
         raise UnreadableError(about(
-            path, f"header claims {n_tensors} tensors, but the file has only {left} bytes left "
-                  f"(at least {_MIN_TENSOR_INFO_BYTES} bytes per tensor record)"))
+            path, f"truncated or corrupt header: it claims {n_tensors} tensors, but the file has "
+                  f"only {left} bytes left (at least {_MIN_TENSOR_INFO_BYTES} bytes per tensor record)"))
 
     problems: list[str] = []
     keys: list[str] = []

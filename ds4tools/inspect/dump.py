@@ -105,6 +105,7 @@ def describe(f: GGUFFile, kind: str, findings: list[Finding], *, tensors: bool =
 
 def describe_unopenable(path: str, findings: list[str]) -> dict:
     """The report for a file whose header reads but whose content stops the gguf reader."""
+    findings = [m.split(": ", 1)[1] if m.startswith(f"{path}: ") else m for m in findings]
     return {
         "schema": SCHEMA, "file": path, "files": [path], "file_size": None, "gguf_version": None,
         "alignment": None, "data_offset": None, "architecture": None, "kind": None,

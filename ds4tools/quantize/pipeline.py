@@ -39,7 +39,8 @@ class QuantizeOptions:
     device: str = "cpu"
     dry_run: bool = False
     overwrite: bool = False
-    progress: bool = True
+    #: the tqdm bar: True / False, or None to show it only on a terminal
+    progress: bool | None = None
 
 
 @dataclass
@@ -139,7 +140,8 @@ def _stream(writer, source: ModelSource, plan: Plan, imatrix, options: QuantizeO
     from tqdm import tqdm
     tensors = {t.name: t for t in source.tensors}
     with tqdm(total=plan.src_bytes, unit="B", unit_scale=True, desc="quantize",
-              disable=not options.progress, leave=False, file=sys.stderr) as bar:
+              disable=None if options.progress is None else not options.progress,
+              leave=False, file=sys.stderr) as bar:
         for e in plan.entries:
             bar.set_postfix_str(e.name, refresh=False)
             writer.write_tensor(e.name, _produce(e, tensors[e.name], source, imatrix, options.device))
