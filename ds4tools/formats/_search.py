@@ -21,6 +21,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .floats import f32_bits_to_f16
+
 #: ggml's threshold under which a group counts as all zero
 GROUP_MAX_EPS = np.float32(1e-15)
 #: candidate slots: make_qkx3_quants with nstep=36 tries 37 scales
@@ -45,6 +47,12 @@ def nearest_int(v):
     ggml's assert excludes but release builds compute) the same wrapped value."""
     bits = float32_bits(v + np.float32(12582912.0))
     return (np.int64(bits) & 0x7FFFFF) - 0x400000
+
+
+@njit(cache=True)
+def to_fp16(v):
+    """float32 -> fp16 bit pattern, round to nearest even (GGML_FP32_TO_FP16), in integer ops."""
+    return f32_bits_to_f16(np.int64(float32_bits(v)) & 0xFFFFFFFF)
 
 
 @njit(cache=True)
@@ -113,194 +121,6 @@ def make_qx_quants(n, nmax, x, L, w, scratch):
         for i in range(n):
             L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(s * x[i])))
     return scale
-
-
-@njit(cache=True, error_model="numpy")
-def make_q3_quants(n, nmax, x, L):
-    """ggml's make_q3_quants with do_rmse: weights x*x, then up to 5 rounds of coordinate
-    descent on single quants. L[i] = q + nmax. Returns the scale."""
-    amax = np.float32(0.0)
-    vmax = np.float32(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0)
-    iscale = -np.float32(nmax) / vmax
-    sumlx = np.float32(0.0)
-    suml2 = np.float32(0.0)
-    for i in range(n):
-        l = max(-nmax, min(nmax - 1, nearest_int(iscale * x[i])))
-        L[i] = l
-        w = x[i] * x[i]
-        fl = np.float32(l)
-        sumlx += w * x[i] * fl
-        suml2 += w * fl * fl
-    for _ in range(5):
-        changed = 0
-        for i in range(n):
-            w = x[i] * x[i]
-            fl = np.float32(L[i])
-            slx = sumlx - w * x[i] * fl
-            if slx > 0:
-                sl2 = suml2 - w * fl * fl
-                new_l = max(-nmax, min(nmax - 1, nearest_int(x[i] * sl2 / slx)))
-                if new_l != L[i]:
-                    fn = np.float32(new_l)
-                    slx += w * x[i] * fn
-                    sl2 += w * fn * fn
-                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l
-                        sumlx = slx
-                        suml2 = sl2
-                        changed += 1
-        if changed == 0:
-            break
-    for i in range(n):
-        L[i] += nmax
-    return sumlx / suml2 if suml2 > 0 else np.float32(0.0)
-
-
-# --- affine scales: x ~ scale * q + min, q in [0, nmax] -------------------------------------
-
-
-@njit(cache=True, error_model="numpy")
-def _affine_search(n, nmax, x, w, L, vmin, vmax, sum_w, sum_x, rmin, rdelta, nstep, use_mad,
-                   scratch):
-    # The common part of make_qkx2_quants and make_qkx3_quants, after their min/max scan.
-    rmin = np.float32(rmin)
-    rdelta = np.float32(rdelta)
-    fnmax = np.float32(nmax)
-    iscale = fnmax / (vmax - vmin)
-    scale = np.float32(1.0) / iscale
-    best = np.float32(0.0)
-    for i in range(n):
-        l = max(0, min(nmax, nearest_int(iscale * (x[i] - vmin))))
-        L[i] = l
-        diff = scale * np.float32(l) + vmin - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best += w[i] * diff
-    if nstep < 1:
-        return scale, -vmin
-    # ggml moves `min` to each accepted candidate's min, and later candidates start from it:
-    # score all remaining candidates side by side from the current min, accept the first one
-    # that beats the best (ggml's order), and rescore the candidates after it from its min.
-    nc = nstep + 1
-    C = MAX_CANDIDATES
-    isc = scratch[0:nc]
-    s_l = scratch[C:C + nc]
-    s_l2 = scratch[2 * C:2 * C + nc]
-    s_xl = scratch[3 * C:3 * C + nc]
-    t_scale = scratch[4 * C:4 * C + nc]
-    t_min = scratch[5 * C:5 * C + nc]
-    err = scratch[6 * C:6 * C + nc]
-    det = scratch[7 * C:7 * C + nc]
-    first = 0
-    while first < nc:
-        span = vmax - vmin
-        for c in range(first, nc):
-            isc[c] = (rmin + rdelta * np.float32(c) + fnmax) / span
-            s_l[c] = 0
-            s_l2[c] = 0
-            s_xl[c] = 0
-        for i in range(n):
-            xm = x[i] - vmin
-            xi = x[i]
-            wi = w[i]
-            for c in range(first, nc):
-                fl = np.float32(max(0, min(nmax, nearest_int(isc[c] * xm))))
-                wl = wi * fl
-                s_l[c] += wl
-                s_l2[c] += wl * fl
-                s_xl[c] += wl * xi
-        for c in range(first, nc):
-            d = sum_w * s_l2[c] - s_l[c] * s_l[c]
-            det[c] = d
-            ts = (sum_w * s_xl[c] - sum_x * s_l[c]) / d
-            tm = (s_l2[c] * sum_x - s_l[c] * s_xl[c]) / d
-            if tm > 0:
-                tm = np.float32(0.0)
-                ts = s_xl[c] / s_l2[c]
-            t_scale[c] = ts
-            t_min[c] = tm
-            err[c] = 0
-        for i in range(n):
-            xm = x[i] - vmin
-            xi = x[i]
-            wi = w[i]
-            for c in range(first, nc):
-                fl = np.float32(max(0, min(nmax, nearest_int(isc[c] * xm))))
-                diff = t_scale[c] * fl + t_min[c] - xi
-                diff = abs(diff) if use_mad else diff * diff
-                err[c] += wi * diff
-        win = -1
-        for c in range(first, nc):
-            if det[c] > 0 and err[c] < best:
-                win = c
-                break
-        if win < 0:
-            break
-        s = isc[win]
-        for i in range(n):
-            L[i] = max(0, min(nmax, nearest_int(s * (x[i] - vmin))))
-        best = err[win]
-        scale = t_scale[win]
-        vmin = t_min[win]
-        first = win + 1
-    return scale, -vmin
-
-
-@njit(cache=True, error_model="numpy")
-def make_qkx2_quants(n, nmax, x, w, L, rmin, rdelta, nstep, use_mad, scratch):
-    """ggml's make_qkx2_quants: returns (scale, the_min); x ~ scale * L - the_min."""
-    vmin = x[0]
-    vmax = x[0]
-    sum_w = w[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < vmin:
-            vmin = x[i]
-        if x[i] > vmax:
-            vmax = x[i]
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
-    if vmin > 0:
-        vmin = np.float32(0.0)
-    if vmax == vmin:
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0), -vmin
-    return _affine_search(n, nmax, x, w, L, vmin, vmax, sum_w, sum_x, rmin, rdelta, nstep,
-                          use_mad, scratch)
-
-
-@njit(cache=True, error_model="numpy")
-def make_qkx3_quants(n, nmax, x, w, L, rmin, rdelta, nstep, use_mad, scratch):
-    """ggml's make_qkx3_quants with weights: like make_qkx2_quants, but a group whose max is
-    not above its (clamped) min is all zero."""
-    vmin = x[0]
-    vmax = x[0]
-    sum_w = w[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < vmin:
-            vmin = x[i]
-        if x[i] > vmax:
-            vmax = x[i]
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
-    if vmin > 0:
-        vmin = np.float32(0.0)
-    if vmax <= vmin:
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0), -vmin
-    return _affine_search(n, nmax, x, w, L, vmin, vmax, sum_w, sum_x, rmin, rdelta, nstep,
-                          use_mad, scratch)
 
 
 # --- positive scales of scales: q in [0, nmax] ----------------------------------------------
@@ -376,3 +196,329 @@ def make_qp_quants(n, nmax, x, L, w, scratch):
         if changed == 0:
             break
     return sumlx / suml2 if suml2 > 0 else np.float32(0.0)
+
+
+# --- many groups at once: one lane per group --------------------------------------------------
+# make_qkx2/3_quants update their min whenever a candidate wins, so their candidates cannot
+# advance side by side. Groups (sub-blocks) are independent, though: these versions run ggml's
+# exact sequence of candidates for ``ng`` groups together, the inner loop over groups. Arrays
+# are "transposed": value i of group g sits at [i * ng + g].
+
+#: float32 work values per group for affine_search_lanes
+LANE_WORK = 18
+#: groups that run make_q3_quants' rounds of descent together
+Q3_CHUNK = 256
+
+
+@njit(cache=True, error_model="numpy")
+def affine_search_lanes(ng, n, nmax, tx, tw, tL, rmin, rdelta, nstep, use_mad, strict,
+                        scale_out, min_out, work):
+    """make_qkx2_quants (strict=False) or make_qkx3_quants (strict=True: a group with
+    max <= min is empty) on ng groups of n values at once, in the transposed layout.
+    Writes the quants to tL, the scales to scale_out and ggml's the_min to min_out."""
+    rmin = np.float32(rmin)
+    rdelta = np.float32(rdelta)
+    fnmax = np.float32(nmax)
+    vmin = work[0:ng]
+    vmax = work[ng:2 * ng]
+    sum_w = work[2 * ng:3 * ng]
+    sum_x = work[3 * ng:4 * ng]
+    best = work[4 * ng:5 * ng]
+    scale = work[5 * ng:6 * ng]
+    isc = work[6 * ng:7 * ng]
+    s_l = work[7 * ng:8 * ng]
+    s_l2 = work[8 * ng:9 * ng]
+    s_xl = work[9 * ng:10 * ng]
+    t_scale = work[10 * ng:11 * ng]
+    t_min = work[11 * ng:12 * ng]
+    err = work[12 * ng:13 * ng]
+    det = work[13 * ng:14 * ng]
+    win_isc = work[14 * ng:15 * ng]
+    win_min = work[15 * ng:16 * ng]
+    won = work[16 * ng:17 * ng]
+    empty = work[17 * ng:18 * ng]
+    for g in range(ng):
+        v = tx[g]
+        vmin[g] = v
+        vmax[g] = v
+        sum_w[g] = tw[g]
+        sum_x[g] = tw[g] * v
+    for i in range(1, n):
+        o = i * ng
+        for g in range(ng):
+            v = tx[o + g]
+            w = tw[o + g]
+            vmin[g] = v if v < vmin[g] else vmin[g]
+            vmax[g] = v if v > vmax[g] else vmax[g]
+            sum_w[g] += w
+            sum_x[g] += w * v
+    for g in range(ng):
+        if vmin[g] > 0:
+            vmin[g] = np.float32(0.0)
+        if strict:
+            empty[g] = np.float32(1.0) if vmax[g] <= vmin[g] else np.float32(0.0)
+        else:
+            empty[g] = np.float32(1.0) if vmax[g] == vmin[g] else np.float32(0.0)
+        isc[g] = fnmax / (vmax[g] - vmin[g])
+        scale[g] = np.float32(1.0) / isc[g]
+        best[g] = np.float32(0.0)
+        won[g] = np.float32(0.0)
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            v = tx[o + g]
+            l = max(0, min(nmax, nearest_int(isc[g] * (v - vmin[g]))))
+            tL[o + g] = l
+            diff = scale[g] * np.float32(l) + vmin[g] - v
+            diff = abs(diff) if use_mad else diff * diff
+            best[g] += tw[o + g] * diff
+    for step in range(nstep + 1 if nstep >= 1 else 0):
+        num = rmin + rdelta * np.float32(step) + fnmax
+        for g in range(ng):
+            isc[g] = num / (vmax[g] - vmin[g])
+            s_l[g] = 0
+            s_l2[g] = 0
+            s_xl[g] = 0
+        for i in range(n):
+            o = i * ng
+            for g in range(ng):
+                v = tx[o + g]
+                fl = np.float32(max(0, min(nmax, nearest_int(isc[g] * (v - vmin[g])))))
+                wl = tw[o + g] * fl
+                s_l[g] += wl
+                s_l2[g] += wl * fl
+                s_xl[g] += wl * v
+        for g in range(ng):
+            d = sum_w[g] * s_l2[g] - s_l[g] * s_l[g]
+            det[g] = d
+            ts = (sum_w[g] * s_xl[g] - sum_x[g] * s_l[g]) / d
+            tm = (s_l2[g] * sum_x[g] - s_l[g] * s_xl[g]) / d
+            if tm > 0:
+                tm = np.float32(0.0)
+                ts = s_xl[g] / s_l2[g]
+            t_scale[g] = ts
+            t_min[g] = tm
+            err[g] = 0
+        for i in range(n):
+            o = i * ng
+            for g in range(ng):
+                v = tx[o + g]
+                fl = np.float32(max(0, min(nmax, nearest_int(isc[g] * (v - vmin[g])))))
+                diff = t_scale[g] * fl + t_min[g] - v
+                diff = abs(diff) if use_mad else diff * diff
+                err[g] += tw[o + g] * diff
+        for g in range(ng):
+            if det[g] > 0 and err[g] < best[g] and empty[g] == 0:
+                best[g] = err[g]
+                scale[g] = t_scale[g]
+                win_isc[g] = isc[g]
+                win_min[g] = vmin[g]
+                vmin[g] = t_min[g]
+                won[g] = np.float32(1.0)
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            if empty[g] != 0:
+                tL[o + g] = 0
+            elif won[g] != 0:
+                tL[o + g] = max(0, min(nmax, nearest_int(win_isc[g] * (tx[o + g] - win_min[g]))))
+    for g in range(ng):
+        scale_out[g] = np.float32(0.0) if empty[g] != 0 else scale[g]
+        min_out[g] = -vmin[g]
+
+
+@njit(cache=True)
+def to_lanes(ng, size, x, tx):
+    """Plain layout (group g at [g * size:(g + 1) * size]) to the transposed one."""
+    for g in range(ng):
+        for i in range(size):
+            tx[i * ng + g] = x[g * size + i]
+
+
+@njit(cache=True)
+def from_lanes(ng, size, tx, x):
+    for g in range(ng):
+        for i in range(size):
+            x[g * size + i] = tx[i * ng + g]
+
+
+@njit(cache=True, error_model="numpy")
+def affine_search_groups(ng, size, nmax, x, w, L, rmin, rdelta, nstep, use_mad, strict,
+                         scale_out, min_out, tx, tw, tL, work):
+    """affine_search_lanes on ng consecutive groups of ``size`` values in plain layout
+    (x, w, L); tx, tw, tL: scratch like x, w, L; work: LANE_WORK * ng floats."""
+    to_lanes(ng, size, x, tx)
+    to_lanes(ng, size, w, tw)
+    affine_search_lanes(ng, size, nmax, tx, tw, tL, rmin, rdelta, nstep, use_mad, strict,
+                        scale_out, min_out, work)
+    from_lanes(ng, size, tL, L)
+
+
+@njit(cache=True, error_model="numpy")
+def _largest_magnitude(ng, n, tx, vmax, amax):
+    # per group, the first value of largest magnitude (ggml's `if (ax > amax)` scan)
+    for g in range(ng):
+        vmax[g] = np.float32(0.0)
+        amax[g] = np.float32(0.0)
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            v = tx[o + g]
+            ax = abs(v)
+            bigger = ax > amax[g]
+            vmax[g] = v if bigger else vmax[g]
+            amax[g] = ax if bigger else amax[g]
+
+
+@njit(cache=True, error_model="numpy")
+def symmetric_search_lanes(ng, n, nmax, tx, tw, tL, scale_out, work):
+    """make_qx_quants (rmse_type 1, weights tw) on ng groups of n values in the transposed
+    layout: tL = q + nmax, scale_out = the scales."""
+    fnmax = np.float32(nmax)
+    vmax = work[0:ng]
+    amax = work[ng:2 * ng]
+    isc = work[2 * ng:3 * ng]
+    slx = work[3 * ng:4 * ng]
+    sl2 = work[4 * ng:5 * ng]
+    scale = work[5 * ng:6 * ng]
+    best = work[6 * ng:7 * ng]
+    win_isc = work[7 * ng:8 * ng]
+    won = work[8 * ng:9 * ng]
+    _largest_magnitude(ng, n, tx, vmax, amax)
+    for step in range(19):  # ggml's first try (step 0), then is = -9..-1, 1..9
+        if step == 0:
+            for g in range(ng):
+                isc[g] = -fnmax / vmax[g]
+        else:
+            k = step - 10 if step < 10 else step - 9
+            for g in range(ng):
+                isc[g] = -(fnmax + np.float32(0.1) * np.float32(k)) / vmax[g]
+        for g in range(ng):
+            slx[g] = 0
+            sl2[g] = 0
+        for i in range(n):
+            o = i * ng
+            for g in range(ng):
+                v = tx[o + g]
+                fl = np.float32(max(-nmax, min(nmax - 1, nearest_int(isc[g] * v))))
+                slx[g] += tw[o + g] * v * fl
+                sl2[g] += tw[o + g] * fl * fl
+        if step == 0:
+            for g in range(ng):
+                scale[g] = slx[g] / sl2[g] if sl2[g] != 0 else np.float32(0.0)
+                best[g] = scale[g] * slx[g]
+                win_isc[g] = isc[g]
+        else:
+            for g in range(ng):
+                if sl2[g] > 0 and slx[g] * slx[g] > best[g] * sl2[g]:
+                    scale[g] = slx[g] / sl2[g]
+                    best[g] = scale[g] * slx[g]
+                    win_isc[g] = isc[g]
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            if amax[g] < GROUP_MAX_EPS:
+                tL[o + g] = 0
+            else:
+                tL[o + g] = nmax + max(-nmax, min(nmax - 1, nearest_int(win_isc[g] * tx[o + g])))
+    for g in range(ng):
+        scale_out[g] = np.float32(0.0) if amax[g] < GROUP_MAX_EPS else scale[g]
+
+
+@njit(cache=True, error_model="numpy")
+def symmetric_search_groups(ng, size, nmax, x, w, L, scale_out, tx, tw, tL, work):
+    """symmetric_search_lanes on ng consecutive groups in plain layout (see
+    affine_search_groups)."""
+    to_lanes(ng, size, x, tx)
+    to_lanes(ng, size, w, tw)
+    symmetric_search_lanes(ng, size, nmax, tx, tw, tL, scale_out, work)
+    from_lanes(ng, size, tL, L)
+
+
+@njit(cache=True, error_model="numpy")
+def q3_search_lanes(ng, n, nmax, tx, tL, scale_out, work):
+    """make_q3_quants with do_rmse on ng groups in the transposed layout: weights x*x, then up
+    to 5 rounds of coordinate descent, each group stopping after a round that changed nothing."""
+    vmax = work[0:ng]
+    amax = work[ng:2 * ng]
+    iscale = work[2 * ng:3 * ng]
+    sumlx = work[3 * ng:4 * ng]
+    suml2 = work[4 * ng:5 * ng]
+    _largest_magnitude(ng, n, tx, vmax, amax)
+    for g in range(ng):
+        iscale[g] = -np.float32(nmax) / vmax[g]
+        sumlx[g] = 0
+        suml2[g] = 0
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            v = tx[o + g]
+            l = max(-nmax, min(nmax - 1, nearest_int(iscale[g] * v)))
+            tL[o + g] = l
+            w = v * v
+            fl = np.float32(l)
+            sumlx[g] += w * v * fl
+            suml2[g] += w * fl * fl
+    # Most groups settle in the first round (and then stop, as ggml's `break` does): run that
+    # round for all groups side by side, then the further rounds only for the groups that
+    # changed, one by one.
+    changed = work[5 * ng:6 * ng]
+    for g in range(ng):
+        changed[g] = 0
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            v = tx[o + g]
+            w = v * v
+            fl = np.float32(tL[o + g])
+            slx0 = sumlx[g] - w * v * fl
+            sl20 = suml2[g] - w * fl * fl
+            new_l = max(-nmax, min(nmax - 1, nearest_int(v * sl20 / slx0)))
+            fn = np.float32(new_l)
+            slx = slx0 + w * v * fn
+            sl2 = sl20 + w * fn * fn
+            take = ((slx0 > 0) & (new_l != tL[o + g]) & (sl2 > 0)
+                    & (slx * slx * suml2[g] > sumlx[g] * sumlx[g] * sl2))
+            # selects rather than a branch, so that the loop over groups vectorizes
+            tL[o + g] = new_l if take else tL[o + g]
+            sumlx[g] = slx if take else sumlx[g]
+            suml2[g] = sl2 if take else suml2[g]
+            changed[g] += np.float32(take)
+    for g in range(ng):
+        if changed[g] == 0:
+            continue
+        slx_g = sumlx[g]
+        sl2_g = suml2[g]
+        for _ in range(4):
+            n_changed = 0
+            for i in range(n):
+                o = i * ng + g
+                v = tx[o]
+                w = v * v
+                fl = np.float32(tL[o])
+                slx = slx_g - w * v * fl
+                if slx > 0:
+                    sl2 = sl2_g - w * fl * fl
+                    new_l = max(-nmax, min(nmax - 1, nearest_int(v * sl2 / slx)))
+                    if new_l != tL[o]:
+                        fn = np.float32(new_l)
+                        slx += w * v * fn
+                        sl2 += w * fn * fn
+                        if sl2 > 0 and slx * slx * sl2_g > slx_g * slx_g * sl2:
+                            tL[o] = new_l
+                            slx_g = slx
+                            sl2_g = sl2
+                            n_changed += 1
+            if n_changed == 0:
+                break
+        sumlx[g] = slx_g
+        suml2[g] = sl2_g
+    for i in range(n):
+        o = i * ng
+        for g in range(ng):
+            tL[o + g] = 0 if amax[g] < GROUP_MAX_EPS else tL[o + g] + nmax
+    for g in range(ng):
+        if amax[g] < GROUP_MAX_EPS or not suml2[g] > 0:
+            scale_out[g] = np.float32(0.0)
+        else:
+            scale_out[g] = sumlx[g] / suml2[g]

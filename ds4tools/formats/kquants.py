@@ -8,10 +8,13 @@ are plain ``@njit`` functions shared by the CPU kernels (``prange`` over rows) a
 kernels (``ds4tools.formats.cuda.kquants``, one thread per super-block); the scale searches
 live in ``_search``.
 
+``quantize_row`` is the entry point for both: the CPU hands it a whole row, a CUDA thread one
+super-block. Q2_K, Q4_K and Q5_K search all sub-blocks of what they are given at once (one
+SIMD lane per sub-block, see ``_search.affine_search_lanes``); the others go super-block by
+super-block. Scratch sizes depend on the row length: ``int_scratch(n)``, ``float_scratch(n)``.
+
 Where ggml re-reads its rounded fp16 scales before computing the final quants, so do we
 (``_f16(ob, off)``): Q2_K and Q3_K..Q6_K all requantize from the stored fp16 d (and dmin).
-
-Scratch: ``L`` is int32[L_SCRATCH], ``fs`` float32[F_SCRATCH]; the CPU allocates them per row.
 """
 import math
 
@@ -21,16 +24,27 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._numeric import fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
-from ._search import (GROUP_MAX_EPS, SCRATCH, as_int8, make_q3_quants, make_qkx2_quants,
-                      make_qkx3_quants, make_qp_quants, make_qx_quants, nearest_int)
+from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
+                      from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
+                      symmetric_search_groups, to_fp16, to_lanes)
 
 QK_K = 256
 KIND = {"Q2_K": 0, "Q3_K": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 TYPE_SIZE = (84, 110, 144, 176, 210)
-L_SCRATCH = QK_K + 32            # quants, then the sub-scale quants Ls (+256) and Lm (+272)
-F_SCRATCH = 128 + SCRATCH        # weights, scales, mins, sub-block weight sums, search scratch
+_WTS, _SCALES, _MINS, _SW, _SEARCH = 0, 32, 48, 64, 128  # per-super-block float scratch
+_BLOCK_SCRATCH = _SEARCH + SCRATCH
 
-_WTS, _SCALES, _MINS, _SW, _SEARCH = 0, 32, 48, 64, 128
+
+@njit(cache=True)
+def int_scratch(n):
+    """int32 scratch values quantize_row needs for a row of n values."""
+    return 2 * n + 32
+
+
+@njit(cache=True)
+def float_scratch(n):
+    """float32 scratch values quantize_row needs for a row of n values."""
+    return 3 * n + (3 + LANE_WORK) * (n // 16) + _BLOCK_SCRATCH
 
 
 @njit(cache=True)
@@ -107,35 +121,14 @@ def _requantize_affine(xb, ob, L, nsub, size, nmax, d_all, m_all, scales_off):
 
 
 @njit(cache=True, error_model="numpy")
-def q2_k_quantize_block(xb, qw, weighted, ob, L, fs):
-    wts = fs[_WTS:_WTS + 16]
-    scales = fs[_SCALES:_SCALES + 16]
-    mins = fs[_MINS:_MINS + 16]
-    sw = fs[_SW:_SW + 16]
-    search = fs[_SEARCH:_SEARCH + SCRATCH]
-    sigma2 = _sum_squares(xb, QK_K) / np.float32(QK_K) if weighted else np.float32(0.0)
-    for j in range(16):
-        xs = xb[16 * j:16 * j + 16]
-        if weighted:
-            _importance(xs, qw[16 * j:16 * j + 16], sigma2, wts, 16)
-            s = np.float32(0.0)
-            for l in range(16):
-                s += wts[l]
-            sw[j] = s
-            scales[j], mins[j] = make_qkx3_quants(16, 3, xs, wts, L[16 * j:16 * j + 16],
-                                                  np.float32(-0.9), np.float32(0.05), 36, False, search)
-        else:
-            for l in range(16):
-                wts[l] = abs(xs[l])
-            scales[j], mins[j] = make_qkx2_quants(16, 3, xs, wts, L[16 * j:16 * j + 16],
-                                                  np.float32(-0.5), np.float32(0.1), 15, True, search)
+def _q2_k_finish(xb, scales, mins, sw, weighted, L, ob, Ls, Lm, search):
+    # One super-block from its 16 sub-block scales and mins (and quants L, kept where a
+    # sub-block's stored scale is zero): 4-bit sub-scales, fp16 d and dmin, final quants.
     if weighted:
-        Ls = L[QK_K:QK_K + 16]
-        Lm = L[QK_K + 16:QK_K + 32]
         dm = make_qp_quants(16, 15, scales, Ls, sw, search)
         mm = make_qp_quants(16, 15, mins, Lm, sw, search)
-        put_fp16(ob, 80, fp32_to_fp16(dm))
-        put_fp16(ob, 82, fp32_to_fp16(mm))
+        put_fp16(ob, 80, to_fp16(dm))
+        put_fp16(ob, 82, to_fp16(mm))
         for j in range(16):
             ob[j] = (Ls[j] | (Lm[j] << 4)) & 0xFF
     else:
@@ -151,7 +144,7 @@ def q2_k_quantize_block(xb, qw, weighted, ob, L, fs):
             iscale = q4scale / max_scale
             for j in range(16):
                 ob[j] = nearest_int(iscale * scales[j]) & 0xFF
-            put_fp16(ob, 80, fp32_to_fp16(max_scale / q4scale))
+            put_fp16(ob, 80, to_fp16(max_scale / q4scale))
         else:
             for j in range(16):
                 ob[j] = 0
@@ -160,7 +153,7 @@ def q2_k_quantize_block(xb, qw, weighted, ob, L, fs):
             iscale = q4scale / max_min
             for j in range(16):
                 ob[j] = (ob[j] | (nearest_int(iscale * mins[j]) << 4)) & 0xFF
-            put_fp16(ob, 82, fp32_to_fp16(max_min / q4scale))
+            put_fp16(ob, 82, to_fp16(max_min / q4scale))
         else:
             put_fp16(ob, 82, 0)
     d_all = _f16(ob, 80)
@@ -173,6 +166,76 @@ def q2_k_quantize_block(xb, qw, weighted, ob, L, fs):
         for ii in range(16):
             L[16 * j + ii] = max(0, min(3, nearest_int((xb[16 * j + ii] + m) / d)))
     _pack_2bit(L, ob, 16)
+
+
+@njit(cache=True, error_model="numpy")
+def _affine_row(kind, x, qw, weighted, o, iw, fw):
+    # Q2_K (kind 0), Q4_K (2), Q5_K (3) for a row of super-blocks: weights, then one search
+    # over all sub-blocks of the row (lanes), then each super-block's scales and quants.
+    n = x.shape[0]
+    size = 16 if kind == 0 else 32
+    ng = n // size
+    per = QK_K // size
+    ts = TYPE_SIZE[kind]
+    L = iw[0:n]
+    tL = iw[n:2 * n]
+    Ls = iw[2 * n:2 * n + 16]
+    Lm = iw[2 * n + 16:2 * n + 32]
+    w = fw[0:n]
+    tx = fw[n:2 * n]
+    tw = fw[2 * n:3 * n]
+    f = 3 * n
+    scales = fw[f:f + ng]
+    mins = fw[f + ng:f + 2 * ng]
+    sw = fw[f + 2 * ng:f + 3 * ng]
+    work = fw[f + 3 * ng:f + (3 + LANE_WORK) * ng]
+    f += (3 + LANE_WORK) * (n // 16)
+    search = fw[f + _SEARCH:f + _SEARCH + SCRATCH]
+    for sb in range(n // QK_K):
+        lo = sb * QK_K
+        xs = x[lo:lo + QK_K]
+        ws = w[lo:lo + QK_K]
+        if weighted:
+            if kind == 0:
+                sigma2 = _sum_squares(xs, QK_K) / np.float32(QK_K)
+            else:
+                sigma2 = np.float32(2.0) * _sum_squares(xs, QK_K) / np.float32(QK_K)
+            _importance(xs, qw[lo:lo + QK_K], sigma2, ws, QK_K)
+            for j in range(per):
+                s = np.float32(0.0)
+                for l in range(size):
+                    s += ws[size * j + l]
+                sw[sb * per + j] = s
+        elif kind == 0:
+            for i in range(QK_K):
+                ws[i] = abs(xs[i])
+        else:
+            for j in range(per):
+                av_x = np.float32(math.sqrt(_sum_squares(xs[32 * j:32 * j + 32], 32) / np.float32(32.0)))
+                for l in range(32):
+                    ws[32 * j + l] = av_x + abs(xs[32 * j + l])
+    nmax = 3 if kind == 0 else (15 if kind == 2 else 31)
+    if weighted:
+        affine_search_groups(ng, size, nmax, x, w, L, np.float32(-0.9), np.float32(0.05), 36, False,
+                             True, scales, mins, tx, tw, tL, work)
+    elif kind == 0:
+        affine_search_groups(ng, 16, 3, x, w, L, np.float32(-0.5), np.float32(0.1), 15, True,
+                             False, scales, mins, tx, tw, tL, work)
+    elif kind == 2:
+        affine_search_groups(ng, 32, 15, x, w, L, np.float32(-1.0), np.float32(0.1), 20, False,
+                             False, scales, mins, tx, tw, tL, work)
+    else:
+        affine_search_groups(ng, 32, 31, x, w, L, np.float32(-0.5), np.float32(0.1), 15, False,
+                             False, scales, mins, tx, tw, tL, work)
+    for sb in range(n // QK_K):
+        lo = sb * QK_K
+        g = sb * per
+        if kind == 0:
+            _q2_k_finish(x[lo:lo + QK_K], scales[g:g + per], mins[g:g + per], sw[g:g + per], weighted,
+                         L[lo:lo + QK_K], o[sb * ts:(sb + 1) * ts], Ls, Lm, search)
+        else:
+            _q45_k_finish(nmax, x[lo:lo + QK_K], scales[g:g + per], mins[g:g + per], sw[g:g + per],
+                          weighted, L[lo:lo + QK_K], o[sb * ts:(sb + 1) * ts], Ls, Lm, search)
 
 
 @njit(cache=True)
@@ -188,55 +251,39 @@ def q2_k_dequantize_block(ib, yb):
 # --- Q3_K: hmask[32], qs[64], scales[12] (16 x 6 bits, offset 32), fp16 d ------------------
 
 
+@njit(cache=True)
+def _put_q3_scale(ob, off, j, l):
+    # sub-block j's 6-bit scale code l (0..63) into Q3_K's 12 bytes (zeroed beforehand)
+    if j < 8:
+        ob[off + j] = l & 0xF
+    else:
+        ob[off + j - 8] |= (l & 0xF) << 4
+    ob[off + j % 4 + 8] |= (l >> 4) << (2 * (j // 4))
+
+
 @njit(cache=True, error_model="numpy")
-def q3_k_quantize_block(xb, qw, weighted, ob, L, fs):
-    wts = fs[_WTS:_WTS + 16]
-    scales = fs[_SCALES:_SCALES + 16]
-    sw = fs[_SW:_SW + 16]
-    search = fs[_SEARCH:_SEARCH + SCRATCH]
+def _q3_k_finish(xb, scales, sw, weighted, L, ob, Ls, search):
+    # One super-block from its 16 sub-block scales (and quants L, kept where a sub-block's
+    # stored scale is zero): 6-bit sub-scales, fp16 d, final quants, high-bit mask.
     for k in range(12):
         ob[96 + k] = 0
     if weighted:
-        sigma2 = np.float32(2.0) * _sum_squares(xb, QK_K) / np.float32(QK_K)
-        for j in range(16):
-            xs = xb[16 * j:16 * j + 16]
-            _importance(xs, qw[16 * j:16 * j + 16], sigma2, wts, 16)
-            s = np.float32(0.0)
-            for l in range(16):
-                s += wts[l]
-            sw[j] = s
-            scales[j] = make_qx_quants(16, 4, xs, L[16 * j:16 * j + 16], wts, search)
-        Ls = L[QK_K:QK_K + 16]
         d_block = make_qx_quants(16, 32, scales, Ls, sw, search)
         for j in range(16):
-            l = Ls[j]
-            if j < 8:
-                ob[96 + j] = l & 0xF
-            else:
-                ob[96 + j - 8] |= (l & 0xF) << 4
-            l >>= 4
-            ob[96 + j % 4 + 8] |= l << (2 * (j // 4))
-        put_fp16(ob, 108, fp32_to_fp16(d_block))
+            _put_q3_scale(ob, 96, j, Ls[j])
+        put_fp16(ob, 108, to_fp16(d_block))
     else:
         max_scale = np.float32(0.0)
         amax = np.float32(0.0)
         for j in range(16):
-            s = make_q3_quants(16, 4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
-            scales[j] = s
-            if abs(s) > amax:
-                amax = abs(s)
-                max_scale = s
+            if abs(scales[j]) > amax:
+                amax = abs(scales[j])
+                max_scale = scales[j]
         if max_scale != 0:
             iscale = np.float32(-32.0) / max_scale
             for j in range(16):
-                l = max(-32, min(31, as_int8(nearest_int(iscale * scales[j])))) + 32
-                if j < 8:
-                    ob[96 + j] = l & 0xF
-                else:
-                    ob[96 + j - 8] |= (l & 0xF) << 4
-                l >>= 4
-                ob[96 + j % 4 + 8] |= l << (2 * (j // 4))
-            put_fp16(ob, 108, fp32_to_fp16(np.float32(1.0) / iscale))
+                _put_q3_scale(ob, 96, j, max(-32, min(31, as_int8(nearest_int(iscale * scales[j])))) + 32)
+            put_fp16(ob, 108, to_fp16(np.float32(1.0) / iscale))
         else:
             put_fp16(ob, 108, 0)
     d_all = _f16(ob, 108)
@@ -246,13 +293,62 @@ def q3_k_quantize_block(xb, qw, weighted, ob, L, fs):
             continue
         for ii in range(16):
             L[16 * j + ii] = max(-4, min(3, nearest_int(xb[16 * j + ii] / d))) + 4
-    for k in range(32):
-        ob[k] = 0
-    for j in range(QK_K):  # the high bit of element j goes to bit j // 32 of hmask[j % 32]
-        if L[j] > 3:
-            ob[j % 32] |= 1 << (j // 32)
-            L[j] -= 4
+    for m in range(32):  # the high bit of element j goes to bit j // 32 of hmask[j % 32]
+        bits = 0
+        for k in range(8):
+            bits |= (L[32 * k + m] >> 2) << k
+            L[32 * k + m] &= 3
+        ob[m] = bits
     _pack_2bit(L, ob, 32)
+
+
+@njit(cache=True, error_model="numpy")
+def _q3_q6_row(kind, x, qw, weighted, o, iw, fw):
+    # Q3_K (kind 1) and Q6_K (4) for a row: one search over all 16-value sub-blocks (lanes),
+    # then each super-block's scales and quants.
+    n = x.shape[0]
+    ng = n // 16
+    ts = TYPE_SIZE[kind]
+    L = iw[0:n]
+    tL = iw[n:2 * n]
+    Ls = iw[2 * n:2 * n + 16]
+    w = fw[0:n]
+    tx = fw[n:2 * n]
+    tw = fw[2 * n:3 * n]
+    f = 3 * n
+    scales = fw[f:f + ng]
+    sw = fw[f + ng:f + 2 * ng]
+    work = fw[f + 3 * ng:f + (3 + LANE_WORK) * ng]
+    f += (3 + LANE_WORK) * ng
+    search = fw[f + _SEARCH:f + _SEARCH + SCRATCH]
+    if kind == 4:
+        for i in range(n):
+            w[i] = qw[i] if weighted else x[i] * x[i]
+        symmetric_search_groups(ng, 16, 32, x, w, L, scales, tx, tw, tL, work)
+    elif weighted:
+        for sb in range(n // QK_K):
+            lo = sb * QK_K
+            xs = x[lo:lo + QK_K]
+            sigma2 = np.float32(2.0) * _sum_squares(xs, QK_K) / np.float32(QK_K)
+            _importance(xs, qw[lo:lo + QK_K], sigma2, w[lo:lo + QK_K], QK_K)
+            for j in range(16):
+                s = np.float32(0.0)
+                for l in range(16):
+                    s += w[lo + 16 * j + l]
+                sw[sb * 16 + j] = s
+        symmetric_search_groups(ng, 16, 4, x, w, L, scales, tx, tw, tL, work)
+    else:
+        to_lanes(ng, 16, x, tx)
+        q3_search_lanes(ng, 16, 4, tx, tL, scales, work)
+        from_lanes(ng, 16, tL, L)
+    for sb in range(n // QK_K):
+        lo = sb * QK_K
+        if kind == 1:
+            _q3_k_finish(x[lo:lo + QK_K], scales[16 * sb:16 * sb + 16], sw[16 * sb:16 * sb + 16],
+                         weighted, L[lo:lo + QK_K], o[sb * ts:(sb + 1) * ts], Ls, search)
+        else:
+            _q6_k_finish(x[lo:lo + QK_K], scales[16 * sb:16 * sb + 16], L[lo:lo + QK_K],
+                         o[sb * ts:(sb + 1) * ts])
 
 
 @njit(cache=True)
@@ -270,36 +366,9 @@ def q3_k_dequantize_block(ib, yb):
 
 
 @njit(cache=True, error_model="numpy")
-def _q45_k_quantize_block(nmax, xb, qw, weighted, ob, L, fs):
-    wts = fs[_WTS:_WTS + 32]
-    scales = fs[_SCALES:_SCALES + 8]
-    mins = fs[_MINS:_MINS + 8]
-    sw = fs[_SW:_SW + 8]
-    search = fs[_SEARCH:_SEARCH + SCRATCH]
-    sigma2 = np.float32(2.0) * _sum_squares(xb, QK_K) / np.float32(QK_K) if weighted else np.float32(0.0)
-    for j in range(8):
-        xs = xb[32 * j:32 * j + 32]
-        if weighted:
-            _importance(xs, qw[32 * j:32 * j + 32], sigma2, wts, 32)
-            s = np.float32(0.0)
-            for l in range(32):
-                s += wts[l]
-            sw[j] = s
-            scales[j], mins[j] = make_qkx3_quants(32, nmax, xs, wts, L[32 * j:32 * j + 32],
-                                                  np.float32(-0.9), np.float32(0.05), 36, False, search)
-        else:
-            av_x = np.float32(math.sqrt(_sum_squares(xs, 32) / np.float32(32.0)))
-            for l in range(32):
-                wts[l] = av_x + abs(xs[l])
-            if nmax == 15:
-                scales[j], mins[j] = make_qkx2_quants(32, 15, xs, wts, L[32 * j:32 * j + 32],
-                                                      np.float32(-1.0), np.float32(0.1), 20, False, search)
-            else:
-                scales[j], mins[j] = make_qkx2_quants(32, 31, xs, wts, L[32 * j:32 * j + 32],
-                                                      np.float32(-0.5), np.float32(0.1), 15, False, search)
+def _q45_k_finish(nmax, xb, scales, mins, sw, weighted, L, ob, Ls, Lm, search):
+    # One Q4_K (nmax 15) or Q5_K (nmax 31) super-block from its 8 sub-block scales and mins.
     if weighted:
-        Ls = L[QK_K:QK_K + 8]
-        Lm = L[QK_K + 16:QK_K + 24]
         d_block = make_qp_quants(8, 63, scales, Ls, sw, search)
         m_block = make_qp_quants(8, 63, mins, Lm, sw, search)
         for j in range(8):
@@ -309,8 +378,8 @@ def _q45_k_quantize_block(nmax, xb, qw, weighted, ob, L, fs):
                 ls = min(63, ls)
                 lm = min(63, lm)
             _put_scale_min_k4(ob, 4, j, ls, lm)
-        put_fp16(ob, 0, fp32_to_fp16(d_block))
-        put_fp16(ob, 2, fp32_to_fp16(m_block))
+        put_fp16(ob, 0, to_fp16(d_block))
+        put_fp16(ob, 2, to_fp16(m_block))
     else:
         max_scale = np.float32(0.0)
         max_min = np.float32(0.0)
@@ -325,8 +394,8 @@ def _q45_k_quantize_block(nmax, xb, qw, weighted, ob, L, fs):
             ls = min(63, nearest_int(inv_scale * scales[j]) & 0xFF)
             lm = min(63, nearest_int(inv_min * mins[j]) & 0xFF)
             _put_scale_min_k4(ob, 4, j, ls, lm)
-        put_fp16(ob, 0, fp32_to_fp16(max_scale / np.float32(63.0)))
-        put_fp16(ob, 2, fp32_to_fp16(max_min / np.float32(63.0)))
+        put_fp16(ob, 0, to_fp16(max_scale / np.float32(63.0)))
+        put_fp16(ob, 2, to_fp16(max_min / np.float32(63.0)))
     _requantize_affine(xb, ob, L, 8, 32, nmax, _f16(ob, 0), _f16(ob, 2), 4)
     if nmax == 15:
         for h in range(4):
@@ -346,16 +415,6 @@ def _q45_k_quantize_block(nmax, xb, qw, weighted, ob, L, fs):
                     l2 -= 16
                     ob[16 + l] |= 2 << (2 * h)
                 ob[48 + 32 * h + l] = (l1 | (l2 << 4)) & 0xFF
-
-
-@njit(cache=True, error_model="numpy")
-def q4_k_quantize_block(xb, qw, weighted, ob, L, fs):
-    _q45_k_quantize_block(15, xb, qw, weighted, ob, L, fs)
-
-
-@njit(cache=True, error_model="numpy")
-def q5_k_quantize_block(xb, qw, weighted, ob, L, fs):
-    _q45_k_quantize_block(31, xb, qw, weighted, ob, L, fs)
 
 
 @njit(cache=True)
@@ -389,29 +448,22 @@ def q5_k_dequantize_block(ib, yb):
 
 
 @njit(cache=True, error_model="numpy")
-def q6_k_quantize_block(xb, qw, weighted, ob, L, fs):
-    wts = fs[_WTS:_WTS + 16]
-    scales = fs[_SCALES:_SCALES + 16]
-    search = fs[_SEARCH:_SEARCH + SCRATCH]
+def _q6_k_finish(xb, scales, L, ob):
+    # One super-block from its 16 sub-block scales: int8 sub-scales, fp16 d, final quants.
     max_scale = np.float32(0.0)
     max_abs = np.float32(0.0)
-    for ib in range(16):
-        xs = xb[16 * ib:16 * ib + 16]
-        for l in range(16):
-            wts[l] = qw[16 * ib + l] if weighted else xs[l] * xs[l]
-        s = make_qx_quants(16, 32, xs, L[16 * ib:16 * ib + 16], wts, search)
-        scales[ib] = s
-        if abs(s) > max_abs:
-            max_abs = abs(s)
-            max_scale = s
+    for j in range(16):
+        if abs(scales[j]) > max_abs:
+            max_abs = abs(scales[j])
+            max_scale = scales[j]
     if max_abs < GROUP_MAX_EPS:
         for k in range(210):
             ob[k] = 0
         return
     iscale = np.float32(-128.0) / max_scale
-    put_fp16(ob, 208, fp32_to_fp16(np.float32(1.0) / iscale))
-    for ib in range(16):
-        ob[192 + ib] = min(127, nearest_int(iscale * scales[ib])) & 0xFF
+    put_fp16(ob, 208, to_fp16(np.float32(1.0) / iscale))
+    for j in range(16):
+        ob[192 + j] = min(127, nearest_int(iscale * scales[j])) & 0xFF
     d_all = _f16(ob, 208)
     for j in range(16):
         d = d_all * np.float32(as_int8(np.int64(ob[192 + j])))
@@ -446,19 +498,15 @@ def q6_k_dequantize_block(ib, yb):
 
 
 @njit(cache=True, error_model="numpy")
-def quantize_block(kind, xb, qw, weighted, ob, L, fs):
-    """One super-block of the K-quant ``kind`` (see KIND); ``weighted`` selects ggml's imatrix
-    path (``qw``: the super-block's 256 importance weights; ignored otherwise)."""
-    if kind == 0:
-        q2_k_quantize_block(xb, qw, weighted, ob, L, fs)
-    elif kind == 1:
-        q3_k_quantize_block(xb, qw, weighted, ob, L, fs)
-    elif kind == 2:
-        q4_k_quantize_block(xb, qw, weighted, ob, L, fs)
-    elif kind == 3:
-        q5_k_quantize_block(xb, qw, weighted, ob, L, fs)
+def quantize_row(kind, x, qw, weighted, o, iw, fw):
+    """A row of super-blocks (x: float32[n], n a multiple of 256) of the K-quant ``kind`` (see
+    KIND) into ``o`` (uint8[n / 256 * type_size]); ``weighted`` selects ggml's imatrix path
+    with importance weights ``qw`` (float32[n], ignored otherwise). ``iw``, ``fw``: scratch
+    of int_scratch(n) int32 and float_scratch(n) float32 values."""
+    if kind == 1 or kind == 4:
+        _q3_q6_row(kind, x, qw, weighted, o, iw, fw)
     else:
-        q6_k_quantize_block(xb, qw, weighted, ob, L, fs)
+        _affine_row(kind, x, qw, weighted, o, iw, fw)
 
 
 @njit(cache=True)
@@ -482,13 +530,10 @@ def dequantize_block(kind, ib, yb):
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize(kind, x, qw, weighted, out):
     rows, n = x.shape
-    ts = TYPE_SIZE[kind]
     for r in prange(rows):
-        L = np.empty(L_SCRATCH, np.int32)
-        fs = np.empty(F_SCRATCH, np.float32)
-        for b in range(n // QK_K):
-            quantize_block(kind, x[r, b * QK_K:(b + 1) * QK_K], qw[b * QK_K:(b + 1) * QK_K], weighted,
-                           out[r, b * ts:(b + 1) * ts], L, fs)
+        iw = np.empty(int_scratch(n), np.int32)
+        fw = np.empty(float_scratch(n), np.float32)
+        quantize_row(kind, x[r], qw, weighted, out[r], iw, fw)
 
 
 @njit(cache=True)

@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
-from ._search import SCRATCH, make_qkx3_quants, make_qx_quants
+from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 
 QK = 32
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -260,34 +260,55 @@ def row_sigma2(xr):
 
 
 @njit(cache=True)
-def _importance(xb, qw, sigma2, wb):
-    for j in range(QK):
-        wb[j] = qw[j] * np.float32(math.sqrt(sigma2 + xb[j] * xb[j]))
+def weighted_int_scratch(n):
+    """int32 scratch values quantize_row_weighted needs for n values."""
+    return 2 * n
+
+
+@njit(cache=True)
+def weighted_float_scratch(n):
+    """float32 scratch values quantize_row_weighted needs for n values."""
+    return 3 * n + (2 + LANE_WORK) * (n // QK)
 
 
 @njit(cache=True, error_model="numpy")
-def quantize_block_weighted(kind, xb, qw, sigma2, ob, L, wb, scratch):
-    """One block of Q4_0/Q4_1/Q5_0/Q5_1 (by ``kind``) with importance weights ``qw`` and the
-    row's ``sigma2`` (see row_sigma2). L: int32[32], wb: float32[32], scratch: SCRATCH floats."""
-    _importance(xb, qw, sigma2, wb)
+def quantize_row_weighted(kind, x, qw, sigma2, o, iw, fw):
+    """Blocks of Q4_0/Q4_1/Q5_0/Q5_1 (by ``kind``) with importance weights ``qw`` and the
+    whole row's ``sigma2`` (see row_sigma2), as ggml's quantize_row_q*_impl. x may be a whole
+    row (CPU) or any run of its blocks (a CUDA thread's one block); all its blocks are searched
+    at once (_search's lanes). iw, fw: weighted_int_scratch / weighted_float_scratch values."""
+    n = x.shape[0]
+    ng = n // QK
+    ts = TYPE_SIZE[kind]
+    L = iw[0:n]
+    tL = iw[n:2 * n]
+    w = fw[0:n]
+    tx = fw[n:2 * n]
+    tw = fw[2 * n:3 * n]
+    scales = fw[3 * n:3 * n + ng]
+    mins = fw[3 * n + ng:3 * n + 2 * ng]
+    work = fw[3 * n + 2 * ng:3 * n + (2 + LANE_WORK) * ng]
+    for i in range(n):
+        w[i] = qw[i] * np.float32(math.sqrt(sigma2 + x[i] * x[i]))
     if kind == 0 or kind == 2:
-        nmax = 8 if kind == 0 else 16
-        d = make_qx_quants(QK, nmax, xb, L, wb, scratch)
-        put_fp16(ob, 0, fp32_to_fp16(d))
-        if kind == 0:
-            _pack4(L, ob, 2)
-        else:
-            _pack5(L, ob, 2, 6)
+        symmetric_search_groups(ng, QK, 8 if kind == 0 else 16, x, w, L, scales, tx, tw, tL, work)
     else:
-        nmax = 15 if kind == 1 else 31
-        d, the_min = make_qkx3_quants(QK, nmax, xb, wb, L, np.float32(-0.9), np.float32(0.05),
-                                      36, False, scratch)
-        put_fp16(ob, 0, fp32_to_fp16(d))
-        put_fp16(ob, 2, fp32_to_fp16(-the_min))
-        if kind == 1:
-            _pack4(L, ob, 4)
+        affine_search_groups(ng, QK, 15 if kind == 1 else 31, x, w, L, np.float32(-0.9),
+                             np.float32(0.05), 36, False, True, scales, mins, tx, tw, tL, work)
+    for b in range(ng):
+        ob = o[b * ts:(b + 1) * ts]
+        Lb = L[b * QK:(b + 1) * QK]
+        put_fp16(ob, 0, to_fp16(scales[b]))
+        if kind == 1 or kind == 3:
+            put_fp16(ob, 2, to_fp16(-mins[b]))
+        if kind == 0:
+            _pack4(Lb, ob, 2)
+        elif kind == 1:
+            _pack4(Lb, ob, 4)
+        elif kind == 2:
+            _pack5(Lb, ob, 2, 6)
         else:
-            _pack5(L, ob, 4, 8)
+            _pack5(Lb, ob, 4, 8)
 
 
 @njit(cache=True, error_model="numpy")
@@ -336,25 +357,97 @@ def dequantize_block(kind, ib, yb):
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_weighted(kind, x, qw, out):
     rows, n = x.shape
-    ts = TYPE_SIZE[kind]
     for r in prange(rows):
-        L = np.empty(QK, np.int32)
-        wb = np.empty(QK, np.float32)
-        scratch = np.empty(SCRATCH, np.float32)
-        sigma2 = row_sigma2(x[r])
-        for b in range(n // QK):
-            quantize_block_weighted(kind, x[r, b * QK:(b + 1) * QK], qw[b * QK:(b + 1) * QK], sigma2,
-                                    out[r, b * ts:(b + 1) * ts], L, wb, scratch)
+        iw = np.empty(weighted_int_scratch(n), np.int32)
+        fw = np.empty(weighted_float_scratch(n), np.float32)
+        quantize_row_weighted(kind, x[r], qw, row_sigma2(x[r]), out[r], iw, fw)
+
+
+@njit(cache=True)
+def _min_max_fast(xr, lo):
+    # min and max of xr[lo:lo+32] with four independent chains (a single chain of compares is
+    # latency-bound). Same values as _min_max, except possibly the sign of a zero result.
+    a0, a1, a2, a3 = xr[lo], xr[lo + 1], xr[lo + 2], xr[lo + 3]
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    for j in range(lo + 4, lo + QK, 4):
+        v0, v1, v2, v3 = xr[j], xr[j + 1], xr[j + 2], xr[j + 3]
+        a0 = v0 if v0 < a0 else a0
+        a1 = v1 if v1 < a1 else a1
+        a2 = v2 if v2 < a2 else a2
+        a3 = v3 if v3 < a3 else a3
+        b0 = v0 if v0 > b0 else b0
+        b1 = v1 if v1 > b1 else b1
+        b2 = v2 if v2 > b2 else b2
+        b3 = v3 if v3 > b3 else b3
+    a0 = a1 if a1 < a0 else a0
+    a2 = a3 if a3 < a2 else a2
+    b0 = b1 if b1 > b0 else b0
+    b2 = b3 if b3 > b2 else b2
+    return (a2 if a2 < a0 else a0), (b2 if b2 > b0 else b0)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_ref(kind, x, out):
+    # quantize_block restated for speed (see _q8_0_quantize): per-block scales first, then one
+    # flat, vectorizable loop over the row with per-element scale and offset, then packing.
     rows, n = x.shape
+    nb = n // QK
     ts = TYPE_SIZE[kind]
+    affine = kind == 1 or kind == 3
     for r in prange(rows):
-        L = np.empty(QK, np.int32)
-        for b in range(n // QK):
-            quantize_block(kind, x[r, b * QK:(b + 1) * QK], out[r, b * ts:(b + 1) * ts], L)
+        xr = x[r]
+        o = out[r]
+        inv = np.empty(n, np.float32)
+        base = np.empty(n, np.float32)
+        q = np.empty(n, np.uint8)
+        for b in range(nb):
+            lo = b * QK
+            vmin, vmax = _min_max_fast(xr, lo)
+            if affine:
+                if vmin == 0 or vmax == 0:  # the sign of a zero matters: ggml's exact scan
+                    vmin, vmax = _min_max(xr[lo:lo + QK])
+                d = (vmax - vmin) / (np.float32(15.0) if kind == 1 else np.float32(31.0))
+                put_fp16(o, b * ts + 2, to_fp16(vmin))
+                base[lo:lo + QK] = vmin
+            else:
+                # the first value of largest magnitude; only a +m/-m tie needs ggml's scan
+                if vmax > -vmin:
+                    vmax = vmax
+                elif -vmin > vmax:
+                    vmax = vmin
+                else:
+                    vmax = _symmetric_scale(xr[lo:lo + QK], np.float32(1.0))
+                d = vmax / (np.float32(-8.0) if kind == 0 else np.float32(-16.0))
+            put_fp16(o, b * ts, to_fp16(d))
+            inv[lo:lo + QK] = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        if kind == 0:
+            for i in range(n):
+                q[i] = min(15, np.int32(xr[i] * inv[i] + np.float32(8.5)))
+        elif kind == 1:
+            for i in range(n):
+                q[i] = min(15, np.int32((xr[i] - base[i]) * inv[i] + np.float32(0.5)))
+        elif kind == 2:
+            for i in range(n):
+                q[i] = min(31, np.int32(xr[i] * inv[i] + np.float32(16.5)))
+        else:
+            for i in range(n):
+                q[i] = np.int32((xr[i] - base[i]) * inv[i] + np.float32(0.5)) & 0xFF
+        qs = 2 if kind == 0 else (4 if kind == 1 else (6 if kind == 2 else 8))
+        for b in range(nb):
+            ob = b * ts + qs
+            qb = b * QK
+            if kind <= 1:
+                for j in range(16):
+                    o[ob + j] = q[qb + j] | (q[qb + 16 + j] << 4)
+            else:
+                qh = np.uint32(0)
+                for j in range(16):
+                    lo4 = q[qb + j]
+                    hi4 = q[qb + 16 + j]
+                    o[ob + j] = (lo4 & 0x0F) | ((hi4 & 0x0F) << 4)
+                    qh |= np.uint32((lo4 >> 4) & 1) << j
+                    qh |= np.uint32((hi4 >> 4) & 1) << (j + 16)
+                _put_u32(o, ob - 4, qh)
 
 
 @njit(cache=True)

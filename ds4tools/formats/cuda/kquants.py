@@ -2,7 +2,7 @@
 
 ggml's K-quant imatrix paths only look inside the super-block (their sigma2 is the block's),
 so one launch does it: the thread stages its floats, weights and scratch in local memory and
-calls ``kquants.quantize_block``.
+calls ``kquants.quantize_row`` on its super-block as a row of one.
 """
 import numpy as np
 from numba import cuda, float32, int32, uint8
@@ -12,6 +12,8 @@ from . import grid
 
 QK_K = K.QK_K
 MAX_TYPE_SIZE = max(K.TYPE_SIZE)
+INT_SCRATCH = K.int_scratch(QK_K)
+FLOAT_SCRATCH = K.float_scratch(QK_K)
 
 
 @cuda.jit
@@ -24,12 +26,12 @@ def _quantize_blocks(kind, x, qw, weighted, out):
         xb = cuda.local.array(QK_K, float32)
         wq = cuda.local.array(QK_K, float32)
         ob = cuda.local.array(MAX_TYPE_SIZE, uint8)
-        q = cuda.local.array(K.L_SCRATCH, int32)
-        fs = cuda.local.array(K.F_SCRATCH, float32)
+        iw = cuda.local.array(INT_SCRATCH, int32)
+        fw = cuda.local.array(FLOAT_SCRATCH, float32)
         for j in range(QK_K):
             xb[j] = x[r, b * QK_K + j]
             wq[j] = qw[b * QK_K + j]
-        K.quantize_block(kind, xb, wq, weighted, ob, q, fs)
+        K.quantize_row(kind, xb, wq, weighted, ob, iw, fw)
         ts = out.shape[1] // nb
         for j in range(ts):
             out[r, b * ts + j] = ob[j]

@@ -2,14 +2,16 @@
 
 The imatrix paths of Q4_0..Q5_1 scale the weights by the whole row's mean square (ggml's
 sigma2), so they take two launches: one thread per row sums it (in order, through the same
-@njit helper as the CPU), then one thread per block quantizes.
+@njit helper as the CPU), then one thread per block quantizes its block as a row of one.
 """
 import numpy as np
 from numba import cuda, float32, int32, uint8
 
 from .. import legacy as L
-from .._search import SCRATCH
 from . import grid
+
+INT_SCRATCH = L.weighted_int_scratch(32)
+FLOAT_SCRATCH = L.weighted_float_scratch(32)
 
 
 @cuda.jit
@@ -78,14 +80,13 @@ def _quantize_blocks_weighted(kind, x, qw, sigma2, out):
         b = i % nb
         xb = cuda.local.array(32, float32)
         wq = cuda.local.array(32, float32)
-        wb = cuda.local.array(32, float32)
         ob = cuda.local.array(24, uint8)
-        q = cuda.local.array(32, int32)
-        scratch = cuda.local.array(SCRATCH, float32)
+        iw = cuda.local.array(INT_SCRATCH, int32)
+        fw = cuda.local.array(FLOAT_SCRATCH, float32)
         for j in range(32):
             xb[j] = x[r, b * 32 + j]
             wq[j] = qw[b * 32 + j]
-        L.quantize_block_weighted(kind, xb, wq, sigma2[r], ob, q, wb, scratch)
+        L.quantize_row_weighted(kind, xb, wq, sigma2[r], ob, iw, fw)
         ts = out.shape[1] // nb
         for j in range(ts):
             out[r, b * ts + j] = ob[j]
