@@ -101,10 +101,12 @@ def gguf_py_op(name: str, op: str):
     probe_rows = np.zeros((1, max(formats.FORMATS[name].block_size, 256)), np.float32)
     try:
         if op == "quantize":
-            gguf_quants.quantize(probe_rows, qtype)
+            if np.shares_memory(gguf_quants.quantize(probe_rows, qtype), probe_rows):
+                return None  # F32: gguf-py hands the input back, there is nothing to time
             return lambda a, imatrix=None: gguf_quants.quantize(a, qtype)
         raw = formats.quantize(probe_rows, name, imatrix=np.ones(probe_rows.shape[1], np.float32))
-        gguf_quants.dequantize(raw, qtype)
+        if np.shares_memory(gguf_quants.dequantize(raw, qtype), raw):
+            return None
         return lambda raw: gguf_quants.dequantize(raw, qtype)
     except NotImplementedError:
         return None
