@@ -83,5 +83,37 @@ def inspect_cmd(file, as_json, tensors, keys):
         sys.exit(1)
 
 
+@main.command("run")
+@click.option("-m", "--model", type=click.Path(), metavar="MODEL.gguf",
+              help="Model to run (default: the bundled demo model, prepared on first use).")
+@click.option("-p", "--prompt", metavar="PROMPT", help="Prompt text.")
+@click.option("-f", "--file", "prompt_file", type=click.Path(), metavar="FILE",
+              help="Read the prompt from FILE (UTF-8).")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=128, show_default=True,
+              metavar="N", help="Tokens to generate at most.")
+@click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 is greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0: off).")
+@click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1: off).")
+@click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p (0: off).")
+@click.option("--seed", type=int, metavar="S", help="Random seed (default: a fresh one).")
+@click.option("--ctx", type=int, metavar="N", help="Context size in tokens (default: the model's, at most 4096).")
+@click.option("--threads", type=int, metavar="N", help="CPU threads for the kernels.")
+@click.option("--cache-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="KV cache storage.")
+@click.option("--exact", is_flag=True, help="Float32 activations in every matmul (no int8 path).")
+@click.option("--stats", is_flag=True, help="Print token counts and speeds to stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats).")
+def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, seed, ctx, threads,
+            cache_type, exact, stats, as_json):
+    """Generate a continuation of a prompt (printed as it comes, without the prompt)."""
+    from .engine.run import run
+    with _reported_errors():
+        code = run(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
+                   temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
+                   threads=threads, cache_type=cache_type, exact=exact, stats=stats,
+                   as_json=as_json)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     main()

@@ -5,7 +5,8 @@ llama.cpp's tensor names, and every step is the textbook formula:
 
     rmsnorm(x) = x / sqrt(mean(x**2) + eps) * w
     rope:  angle(p, i) = p * base ** (-2 i / n_rot) (/ freq_factor[i]) (* freq_scale)
-           llama rotates pairs (x[2i], x[2i+1]), qwen3 pairs (x[i], x[i + n_rot/2])
+           llama.cpp's llama rotates pairs (x[2i], x[2i+1]), qwen3 (and Hugging Face's
+           rotate_half for both) pairs (x[i], x[i + n_rot/2])
     attention: softmax(q k^T / sqrt(head_dim)) v over positions <= the query's, kv head
            h // (n_head / n_head_kv) for query head h
     ffn: (silu(h Wg^T) * (h Wu^T)) Wd^T,  silu(g) = g / (1 + exp(-g))
@@ -31,6 +32,11 @@ class RefConfig:
     rope_base: float = 10000.0
     n_rot: int | None = None
     freq_scale: float = 1.0
+    rope_style: str | None = None   # "norm" (adjacent pairs) | "neox" (halves); default by arch
+
+    @property
+    def neox(self) -> bool:
+        return (self.rope_style or ("neox" if self.arch == "qwen3" else "norm")) == "neox"
 
 
 def rmsnorm(x, w, eps):
@@ -49,7 +55,7 @@ def rope(x, positions, cfg: RefConfig, freq_factors=None):
     c = np.cos(ang)[:, None, :]
     s = np.sin(ang)[:, None, :]
     out = x.copy()
-    if cfg.arch == "qwen3":          # neox: halves
+    if cfg.neox:                     # halves
         a, b = x[..., :half], x[..., half:n_rot]
         out[..., :half] = a * c - b * s
         out[..., half:n_rot] = a * s + b * c

@@ -36,17 +36,12 @@ def _rmsnorm_row(x, weight, eps, out):
         out[i] = (x[i] * scale) * weight[i]
 
 
-@njit(parallel=True, cache=True)
-def rmsnorm(x, weight, eps, out):
-    """out[t] = x[t] / rms(x[t]) * weight; x, out (rows, n); weight (n,). out may be x."""
-    for t in prange(x.shape[0]):
-        _rmsnorm_row(x[t], weight, eps, out[t])
-
-
 @njit(cache=True)
-def rmsnorm_serial(x, weight, eps, out):
-    """rmsnorm on one thread: the same row code, without the cost of starting a parallel
-    region (for the per-head q/k norms and small models)."""
+def rmsnorm(x, weight, eps, out):
+    """out[t] = x[t] / rms(x[t]) * weight; x, out (rows, n); weight (n,). out may be x.
+
+    One thread: the work is tiny next to the matmuls, and a parallel region would cost more
+    than it saves (per-head q/k norms pass rows * heads rows of head_dim)."""
     for t in range(x.shape[0]):
         _rmsnorm_row(x[t], weight, eps, out[t])
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import codecs
 from functools import lru_cache
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # llama.cpp's token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -160,8 +160,13 @@ class GGUFTokenizer:
                              unk_token=tokens[unk] if unk is not None else None,
                              fuse_unk=True, byte_fallback=True)
             tok = Tokenizer(bpe)
-            tok.pre_tokenizer = pre_tokenizers.Metaspace(
-                replacement=SPACE_MARK, prepend_scheme="first" if add_space_prefix else "never", split=False)
+            # llama.cpp puts a space before every piece of text that starts the prompt or
+            # follows a special token, then writes spaces as "▁"; a normalizer does exactly that
+            # per segment (Metaspace would not add one before text that starts with a space).
+            spaces = [normalizers.Replace(" ", SPACE_MARK)]
+            if add_space_prefix:
+                spaces.insert(0, normalizers.Prepend(SPACE_MARK))
+            tok.normalizer = normalizers.Sequence(spaces)
             tok.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(),
                                              decoders.Fuse()])
         self.add_space_prefix = add_space_prefix

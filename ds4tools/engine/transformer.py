@@ -77,10 +77,10 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
         kernels.add_bias(vr.reshape(k, hp.n_kv), lw.bv)
     if lw.q_norm is not None:
         q2 = q.reshape(k * hp.n_head, hp.head_dim)
-        kernels.rmsnorm_serial(q2, lw.q_norm, hp.rms_eps, q2)
+        kernels.rmsnorm(q2, lw.q_norm, hp.rms_eps, q2)
     if lw.k_norm is not None:
         k2 = kr.reshape(k * hp.n_head_kv, hp.head_dim)
-        kernels.rmsnorm_serial(k2, lw.k_norm, hp.rms_eps, k2)
+        kernels.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
     cos, sin = rope
     neox = hp.rope_type == "neox"
     kernels.rope(q, positions, cos, sin, neox)

@@ -1,0 +1,68 @@
+"""What ``ds4tools run`` does, as a function the CLI calls (the CLI only parses options).
+
+Output: the continuation streams to stdout as UTF-8 while it is generated, then a newline;
+``--stats`` adds a summary on stderr; ``--json`` prints one JSON object instead:
+``{"model", "text", "tokens", "stats": {prompt_tokens, generated_tokens, decode_tokens,
+prefill_seconds, prefill_tps, decode_seconds, decode_tps, total_seconds, stop_reason, seed}}``.
+Errors are raised as ds4tools.errors classes (the CLI prints them and exits with their code).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import UsageError, about
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give the prompt with -p or -f, not both")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, "rb") as fh:
+                data = fh.read()
+        except OSError as e:
+            raise UsageError(about(prompt_file, e.strerror or str(e))) from None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(about(prompt_file, f"not UTF-8 text (byte {e.start})")) from None
+    if prompt is None:
+        raise UsageError("no prompt: give one with -p PROMPT or -f FILE")
+    return prompt
+
+
+def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, top_k=40,
+        top_p=0.95, min_p=0.05, seed=None, ctx=None, threads=None, cache_type="f32",
+        exact=False, stats=False, as_json=False, stdout=None, stderr=None) -> int:
+    """Run one generation; returns the exit code (0, or 130 when interrupted)."""
+    from .api import Engine
+    out = stdout or sys.stdout.buffer
+    err = stderr or sys.stderr
+    text = read_prompt(prompt, prompt_file)
+    if n_predict < 0:
+        raise UsageError(f"-n {n_predict}: must not be negative")
+    engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact)
+    pieces, ids = [], []
+    code = 0
+    try:
+        for tok in engine.generate(text, n_predict, temperature=temp, top_k=top_k, top_p=top_p,
+                                   min_p=min_p, seed=seed):
+            ids.append(tok.id)
+            pieces.append(tok.text)
+            if not as_json and tok.text:
+                out.write(tok.text.encode("utf-8"))
+                out.flush()
+    except KeyboardInterrupt:
+        code = 130
+    st = engine.last_stats
+    if as_json:
+        doc = {"model": engine.path, "text": "".join(pieces), "tokens": ids, "stats": st.as_dict()}
+        out.write((json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8"))
+    else:
+        out.write(b"\n")
+    out.flush()
+    if stats:
+        for line in st.summary_lines():
+            print(line, file=err)
+    return code
