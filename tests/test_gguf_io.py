@@ -194,3 +194,28 @@ def test_open_errors_name_the_file(tmp_path):
     with pytest.raises(InvalidContentError, match="duplicate tensor name 'aa.weight'") as e:
         open_gguf(p)
     assert e.value.exit_code == 1
+
+
+def test_bulk_array_reading_gives_what_gguf_reader_gives(tmp_path):
+    """Metadata arrays are read in bulk (gguf-py goes element by element); the values must be
+    exactly what gguf's own GGUFReader returns, for every element type."""
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("a.strings", ["", "x", "ü日本", "a b", "<|x|>"] * 50)
+    for vtype, values in ((V.UINT8, [0, 255, 7]), (V.INT8, [-128, 127]), (V.UINT16, [65535, 1]),
+                          (V.INT16, [-2, 3]), (V.UINT32, [2 ** 32 - 1]), (V.INT32, list(range(-5, 500))),
+                          (V.FLOAT32, [0.5, -1e-6, 3e38]), (V.UINT64, [2 ** 64 - 1]),
+                          (V.INT64, [-(2 ** 63)]), (V.FLOAT64, [1e-300, 2.5]), (V.BOOL, [True, False, True])):
+        w.add_key_value(f"a.{vtype.name.lower()}", values, V.ARRAY, vtype)
+    w.add_key_value("a.nested", [[1, 2], [3, 4, 5]], V.ARRAY)  # arrays of arrays keep gguf's path
+    w.add_string("a.after", "still in place")
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    f = open_gguf(path)
+    ref = gguf.GGUFReader(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        assert f.metadata[key] == field.contents(), key
+        assert f.value_type(key)[0] == field.types[0]
+    assert f.value_type("a.int32") == (V.ARRAY, V.INT32)
+    assert f.metadata["a.after"] == "still in place"

@@ -323,6 +323,22 @@ class TensorRef:
         view = self._file_bytes[self.data_offset:self.data_offset + self.n_bytes]
         return view.reshape(self.byte_shape)
 
+    def release_pages(self) -> None:
+        """Let the OS drop this tensor's pages from memory (they are re-read from the file if
+        touched again). A streaming pass over a model calls it once done with each tensor, so
+        the mapped file does not pile up in the process's resident memory."""
+        mm = getattr(self._file_bytes, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.data_offset - self.data_offset % mmap.PAGESIZE
+        length = self.data_offset + self.n_bytes - start
+        length -= length % mmap.PAGESIZE  # whole pages inside the map only
+        if length > 0:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, start, length)
+            except (OSError, ValueError):
+                pass  # advice only
+
     def to_float32(self) -> np.ndarray:
         """The values as float32 in numpy order, decoded by ds4tools.formats where it has the type."""
         from .. import formats  # the lowest layer; imported here to keep `import` of this light
@@ -454,13 +470,55 @@ def open_gguf(path) -> GGUFFile:
     return GGUFFile(path, [_open_shard(p) for p in split_shard_paths(path)])
 
 
+class _BulkArrayReader(GGUFReader):
+    """gguf's reader, with metadata arrays read in bulk.
+
+    gguf-py parses an array one element at a time (about 60 µs each, so a 150k-token
+    vocabulary with its types and merges takes half a minute). Here an array of scalars is a
+    single numpy view and an array of strings a list of memoryview slices; ReaderField.contents()
+    reads both exactly as it reads gguf-py's own parts. Nested arrays keep gguf-py's path.
+    """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        item_type, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
+        offs = orig_offs + 12
+        parts, idxs, types = [raw_itype, alen], [], [GGUFValueType.ARRAY]
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if scalar is not None:
+            if count:
+                values = self._get(offs, scalar, count)
+                parts.append(values)
+                idxs.append(2)
+                types.append(item_type)
+                offs += int(values.nbytes)
+            return offs - orig_offs, parts, idxs, types
+        if item_type == GGUFValueType.STRING:
+            if not hasattr(self, "_bytes"):
+                self._bytes = memoryview(self.data).cast("B")
+            mv = self._bytes
+            for _ in range(count):
+                (n,) = struct.unpack_from("<Q", mv, offs)
+                parts.append(mv[offs:offs + 8])
+                parts.append(mv[offs + 8:offs + 8 + n])
+                idxs.append(len(parts) - 1)
+                offs += 8 + n
+            if count:
+                types.append(GGUFValueType.STRING)
+            return offs - orig_offs, parts, idxs, types
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
 def _open_shard(path: str):
     layout = check_header(path)
     if layout.problems:
         raise InvalidContentError(about(path, layout.problems[0]),
                                   findings=[about(path, p) for p in layout.problems])
     try:
-        reader = GGUFReader(path, "r")
+        reader = _BulkArrayReader(path, "r")
     except Exception as e:  # noqa: BLE001 - whatever the reader trips on, the file is unreadable
         raise UnreadableError(about(path, f"cannot be parsed as GGUF: {e}")) from None
     metadata, types = {}, {}

@@ -144,7 +144,9 @@ def _stream(writer, source: ModelSource, plan: Plan, imatrix, options: QuantizeO
               leave=False, file=sys.stderr) as bar:
         for e in plan.entries:
             bar.set_postfix_str(e.name, refresh=False)
-            writer.write_tensor(e.name, _produce(e, tensors[e.name], source, imatrix, options.device))
+            t = tensors[e.name]
+            writer.write_tensor(e.name, _produce(e, t, source, imatrix, options.device))
+            t.release()
             bar.update(e.src_bytes)
 
 

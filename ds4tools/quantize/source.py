@@ -32,6 +32,8 @@ class SourceTensor:
     load_float32: Callable[[], np.ndarray]
     #: the stored GGUF bytes (GGUF sources only): copied as they are when the type stays
     raw: Callable[[], np.ndarray] | None = None
+    #: drop the tensor's source pages from memory once it is written (GGUF sources)
+    release: Callable[[], None] = lambda: None
 
     @property
     def n_elements(self) -> int:
@@ -91,8 +93,8 @@ class GGUFSource(ModelSource):
             if vtype == V.ARRAY and not value:
                 continue  # gguf cannot write an empty array; the key carried nothing
             keys.append(MetaKey(key, value, vtype, sub))
-        tensors = [SourceTensor(t.name, t.shape, t.type_name, t.n_bytes, t.to_float32, t.raw)
-                   for t in f.tensors.values()]
+        tensors = [SourceTensor(t.name, t.shape, t.type_name, t.n_bytes, t.to_float32, t.raw,
+                                t.release_pages) for t in f.tensors.values()]
         super().__init__(path=f.path, kind="gguf", arch=arch, metadata=keys, tensors=tensors,
                          hparams=hp, paths=list(f.paths))
         self.gguf = f
