@@ -130,7 +130,8 @@ def test_qwen3_conversion_head_dim_padding_and_nextn(hf_qwen3, hf_qwen3_nextn, g
     np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"].data, hf["model.layers.1.self_attn.q_proj.weight"])
 
     _, notes = run(hf_qwen3_nextn, tmp_path / "n.gguf", "F32")
-    assert any("left out 15 NextN/MTP tensors" in n for n in notes)
+    assert any("left out 15 NextN/MTP tensors (layer 2); the MTP support GGUF carries them" in n
+               for n in notes)
     _, md2, tensors2 = read(tmp_path / "n.gguf")
     assert set(tensors2) == set(tensors)  # the MTP layer is not converted here
     assert md2["qwen3.block_count"] == 2
@@ -318,6 +319,16 @@ def test_cli_summary_line_overwrite_and_refusals(hf_llama, gguf_llama_f32, tmp_p
                                   "--type", "Q8_0", "--tensor-type", "attn(=Q8_0"])
     assert r.exit_code == 2 and "bad regular expression" in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["m.gguf"]  # no temporary files left behind
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error(hf_llama, tmp_path):
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("a CUDA device (or the simulator) is available here")
+    r = CliRunner().invoke(main, ["quantize", str(hf_llama), "-o", str(tmp_path / "c.gguf"),
+                                  "--type", "Q8_0", "--device", "cuda"])
+    assert r.exit_code == 2 and r.stderr.startswith("ds4tools: --device cuda: ")
+    assert not (tmp_path / "c.gguf").exists()
 
 
 def test_requantizing_a_quantized_gguf_warns_and_copies_same_type(gguf_qwen3_f32, tmp_path):

@@ -186,7 +186,9 @@ def _check_tensors(f: GGUFFile, arch: str, rule: ArchRule) -> list[Finding]:
     expected: dict[str, tuple] = {"output_norm.weight": (n_embd,)}
     optional: dict[str, tuple] = {}
     emb = f.tensors.get("token_embd.weight")
-    vocab = n_vocab if n_vocab else (emb.ggml_shape[1] if emb is not None and len(emb.ggml_shape) == 2 else None)
+    vocab = n_vocab
+    if not vocab and emb is not None and len(emb.ggml_shape) == 2:
+        vocab = emb.ggml_shape[1]
     expected["token_embd.weight"] = (n_embd, vocab)
     optional["output.weight"] = (n_embd, vocab)
     for i in range(n_layer):

@@ -107,12 +107,13 @@ class HFSource(ModelSource):
                     t.path, f"tensor '{hf_name}' has no llama.cpp name for architecture {arch}"))
             tensors.append(self._tensor(name, t, hf_name, permute, n_head, n_head_kv))
         if skipped_nextn:
-            report(f"note: {ckpt.folder}: left out {len(skipped_nextn)} NextN/MTP tensors "
-                   f"(layers {n_layer}..{n_layer + n_nextn - 1}); the MTP support GGUF carries them")
+            layers = f"layer {n_layer}" if n_nextn == 1 else f"layers {n_layer}..{n_layer + n_nextn - 1}"
+            report(f"note: {ckpt.folder}: left out {len(skipped_nextn)} NextN/MTP tensors ({layers}); "
+                   f"the MTP support GGUF carries them")
 
         theta = float(cfg.get("rope_theta") or 10000.0)
-        keys = self._hparam_keys(cfg, where, os.path.basename(ckpt.folder), arch, n_layer, n_embd, n_head, n_head_kv, head_dim,
-                                 n_vocab, theta)
+        keys = self._hparam_keys(cfg, where, os.path.basename(ckpt.folder), arch, n_layer,
+                                 n_embd, n_head, n_head_kv, head_dim, n_vocab, theta)
         scaling = cfg.get("rope_scaling") or {}
         kind = (scaling.get("rope_type") or scaling.get("type") or "").lower() if scaling else ""
         if kind == "llama3":
@@ -138,8 +139,8 @@ class HFSource(ModelSource):
         return SourceTensor(name, t.shape, t.dtype, t.n_bytes, load)
 
     @staticmethod
-    def _hparam_keys(cfg, where, model_name, arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab,
-                     theta) -> list[MetaKey]:
+    def _hparam_keys(cfg, where, model_name, arch, n_layer, n_embd, n_head, n_head_kv,
+                     head_dim, n_vocab, theta) -> list[MetaKey]:
         def k(key, value, vtype):
             return MetaKey(key.format(arch=arch), value, vtype)
 

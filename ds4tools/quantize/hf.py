@@ -113,7 +113,8 @@ class HFCheckpoint:
         for f in self.weight_files:
             for name, t in read_safetensors_header(f).items():
                 if name in self.tensors:
-                    raise InvalidContentError(about(f, f"tensor '{name}' is also in {self.tensors[name].path}"))
+                    raise InvalidContentError(about(
+                        f, f"tensor '{name}' is also in {self.tensors[name].path}"))
                 self.tensors[name] = t
 
     def _weight_files(self) -> list[str]:

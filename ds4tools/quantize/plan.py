@@ -168,7 +168,8 @@ def build_plan(source: ModelSource, type_name: str, *, pure: bool = False,
                                    f"implemented here")
             e = PlanEntry(name, t.shape, t.type_name, out, "", t.n_bytes, _nbytes(t.shape, out),
                           choice.reason, choice.note)
-            if is_quantized(t.type_name) and t.type_name != out and source.kind == "gguf":
+            if (source.kind == "gguf" and t.type_name != out and is_quantized(t.type_name)
+                    and is_quantized(out)):
                 requantized.append(name)
             _attach_imatrix(e, chooser, imatrix, imatrix_path, plan)
         if source.kind == "gguf" and e.src_type == e.out_type:
