@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from .base import QuantFormat, register
-from ._numeric import fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
+from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
                       from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
                       symmetric_search_groups, to_fp16, to_lanes)
@@ -537,25 +537,130 @@ def _quantize(kind, x, qw, weighted, out):
 
 
 @njit(cache=True)
-def _decode_row(kind, rr, y):
-    ts = TYPE_SIZE[kind]
-    for b in range(y.shape[0] // QK_K):
-        dequantize_block(kind, rr[b * ts:(b + 1) * ts], y[b * QK_K:(b + 1) * QK_K])
+def _lut16(lut, rr, off):
+    return lut[np.int64(rr[off]) | (np.int64(rr[off + 1]) << 8)]
+
+
+@njit(cache=True)
+def _decode_q2_k(rr, lut, y):
+    for sb in range(y.shape[0] // QK_K):
+        o = sb * 84
+        d = _lut16(lut, rr, o + 80)
+        dmin = _lut16(lut, rr, o + 82)
+        for e0 in range(0, QK_K, 16):  # 16 values per scale: bits 2*jj of qs[32*h + 16*half + l]
+            h = e0 // 128
+            jj = (e0 % 128) // 32
+            sc = np.int32(rr[o + e0 // 16])
+            dl = d * np.float32(sc & 0xF)
+            ml = dmin * np.float32(sc >> 4)
+            qo = o + 16 + 32 * h + e0 % 32
+            yo = sb * QK_K + e0
+            for l in range(16):
+                y[yo + l] = dl * np.float32((np.int32(rr[qo + l]) >> (2 * jj)) & 3) - ml
+
+
+@njit(cache=True)
+def _decode_q3_k(rr, lut, y):
+    for sb in range(y.shape[0] // QK_K):
+        o = sb * 110
+        d_all = _lut16(lut, rr, o + 108)
+        for e0 in range(0, QK_K, 16):
+            h = e0 // 128
+            jj = (e0 % 128) // 32
+            dl = d_all * np.float32(_q3_scale(rr, o + 96, e0 // 16))
+            idx = e0 % 32
+            qo = o + 32 + 32 * h + idx
+            bit = 4 * h + jj
+            yo = sb * QK_K + e0
+            for l in range(16):
+                q = (np.int32(rr[qo + l]) >> (2 * jj)) & 3
+                hi = (np.int32(rr[o + idx + l]) >> bit) & 1
+                y[yo + l] = dl * np.float32(q - 4 + 4 * hi)
+
+
+@njit(cache=True)
+def _decode_q45_k(five, rr, lut, y):
+    ts = 176 if five else 144
+    qs = 48 if five else 16
+    for sb in range(y.shape[0] // QK_K):
+        o = sb * ts
+        d = _lut16(lut, rr, o)
+        dmin = _lut16(lut, rr, o + 2)
+        for h in range(4):
+            sc, m = get_scale_min_k4(2 * h, rr, o + 4)
+            d1 = d * np.float32(sc)
+            m1 = dmin * np.float32(m)
+            sc, m = get_scale_min_k4(2 * h + 1, rr, o + 4)
+            d2 = d * np.float32(sc)
+            m2 = dmin * np.float32(m)
+            qo = o + qs + 32 * h
+            yo = sb * QK_K + 64 * h
+            if five:
+                for l in range(32):
+                    v = np.int32(rr[qo + l])
+                    hb = np.int32(rr[o + 16 + l]) >> (2 * h)
+                    y[yo + l] = d1 * np.float32((v & 0xF) | ((hb & 1) << 4)) - m1
+                    y[yo + 32 + l] = d2 * np.float32((v >> 4) | ((hb & 2) << 3)) - m2
+            else:
+                for l in range(32):
+                    v = np.int32(rr[qo + l])
+                    y[yo + l] = d1 * np.float32(v & 0xF) - m1
+                    y[yo + 32 + l] = d2 * np.float32(v >> 4) - m2
+
+
+@njit(cache=True)
+def _decode_q6_k(rr, lut, y):
+    for sb in range(y.shape[0] // QK_K):
+        o = sb * 210
+        d = _lut16(lut, rr, o + 208)
+        for h in range(2):
+            for half in range(2):
+                # scales of the four 32-value quarters for this 16-value half
+                s0 = d * np.float32(as_int8(np.int64(rr[o + 192 + 8 * h + half])))
+                s1 = d * np.float32(as_int8(np.int64(rr[o + 192 + 8 * h + 2 + half])))
+                s2 = d * np.float32(as_int8(np.int64(rr[o + 192 + 8 * h + 4 + half])))
+                s3 = d * np.float32(as_int8(np.int64(rr[o + 192 + 8 * h + 6 + half])))
+                yo = sb * QK_K + 128 * h + 16 * half
+                for l in range(16 * half, 16 * half + 16):
+                    a = np.int32(rr[o + 64 * h + l])
+                    b = np.int32(rr[o + 64 * h + 32 + l])
+                    c = np.int32(rr[o + 128 + 32 * h + l])
+                    k = l - 16 * half
+                    y[yo + k] = s0 * np.float32(((a & 0xF) | ((c & 3) << 4)) - 32)
+                    y[yo + 32 + k] = s1 * np.float32(((b & 0xF) | (((c >> 2) & 3) << 4)) - 32)
+                    y[yo + 64 + k] = s2 * np.float32(((a >> 4) | (((c >> 4) & 3) << 4)) - 32)
+                    y[yo + 96 + k] = s3 * np.float32(((b >> 4) | (((c >> 6) & 3) << 4)) - 32)
+
+
+@njit(cache=True)
+def _decode_row(kind, rr, lut, y):
+    # One row of super-blocks to floats, bit-identical to dequantize_block but in plain loop
+    # nests LLVM vectorizes (several times faster than the block functions on the CPU).
+    if kind == 0:
+        _decode_q2_k(rr, lut, y)
+    elif kind == 1:
+        _decode_q3_k(rr, lut, y)
+    elif kind == 2:
+        _decode_q45_k(False, rr, lut, y)
+    elif kind == 3:
+        _decode_q45_k(True, rr, lut, y)
+    else:
+        _decode_q6_k(rr, lut, y)
 
 
 @njit(parallel=True, cache=True)
-def _dequantize(kind, raw, out):
+def _dequantize(kind, raw, lut, out):
     for r in prange(raw.shape[0]):
-        _decode_row(kind, raw[r], out[r])
+        _decode_row(kind, raw[r], lut, out[r])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _matmul(kind, raw, x, out):
+def _matmul(kind, raw, lut, x, out):
     n_out = raw.shape[0]
     k, n_in = x.shape
     for r in prange(n_out):
         w = np.empty(n_in, np.float32)
-        _decode_row(kind, raw[r], w)
+        _decode_row(kind, raw[r], lut, w)
         for t in range(k):
             acc = np.float32(0.0)
             for i in range(n_in):
@@ -580,11 +685,11 @@ class _KQuant(QuantFormat):
 
     def _cpu_dequantize(self, raw, n_per_row):
         out = np.empty((raw.shape[0], n_per_row), np.float32)
-        _dequantize(self.kind, raw, out)
+        _dequantize(self.kind, raw, FP16_TO_FP32, out)
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _matmul(self.kind, raw, x, out)
+        _matmul(self.kind, raw, FP16_TO_FP32, x, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k

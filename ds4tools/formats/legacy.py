@@ -452,30 +452,37 @@ def _quantize_ref(kind, x, out):
 
 @njit(cache=True)
 def _decode_row(kind, rr, lut, y):
-    # One row of blocks to floats, bit-identical to dequantize_block.
+    # One row of blocks to floats, bit-identical to dequantize_block; one plain loop nest per
+    # format (a shape LLVM vectorizes, unlike the block function's per-element branches).
     ts = TYPE_SIZE[kind]
-    affine = kind == 1 or kind == 3
-    bias = (8, 0, 16, 0)[kind]
     for b in range(y.shape[0] // QK):
         o = b * ts
+        yo = b * QK
         d = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
-        m = lut[np.int64(rr[o + 2]) | (np.int64(rr[o + 3]) << 8)] if affine else np.float32(0.0)
-        off = o + (4 if affine else 2)
-        qh = 0
-        if kind >= 2:
-            qh = _get_u32(rr, off)
-            off += 4
-        yb = y[b * QK:(b + 1) * QK]
-        for j in range(16):
-            v = np.int64(rr[off + j])
-            q0 = (v & 0x0F) | (((qh >> j) << 4) & 0x10)
-            q1 = (v >> 4) | ((qh >> (j + 12)) & 0x10)
-            if affine:
-                yb[j] = np.float32(q0) * d + m
-                yb[j + 16] = np.float32(q1) * d + m
-            else:
-                yb[j] = np.float32(q0 - bias) * d
-                yb[j + 16] = np.float32(q1 - bias) * d
+        if kind == 0:
+            for j in range(16):
+                v = np.int32(rr[o + 2 + j])
+                y[yo + j] = np.float32((v & 0x0F) - 8) * d
+                y[yo + 16 + j] = np.float32((v >> 4) - 8) * d
+        elif kind == 1:
+            m = lut[np.int64(rr[o + 2]) | (np.int64(rr[o + 3]) << 8)]
+            for j in range(16):
+                v = np.int32(rr[o + 4 + j])
+                y[yo + j] = np.float32(v & 0x0F) * d + m
+                y[yo + 16 + j] = np.float32(v >> 4) * d + m
+        elif kind == 2:
+            qh = np.int32(_get_u32(rr, o + 2))
+            for j in range(16):
+                v = np.int32(rr[o + 6 + j])
+                y[yo + j] = np.float32(((v & 0x0F) | (((qh >> j) << 4) & 0x10)) - 16) * d
+                y[yo + 16 + j] = np.float32(((v >> 4) | ((qh >> (j + 12)) & 0x10)) - 16) * d
+        else:
+            m = lut[np.int64(rr[o + 2]) | (np.int64(rr[o + 3]) << 8)]
+            qh = np.int32(_get_u32(rr, o + 4))
+            for j in range(16):
+                v = np.int32(rr[o + 8 + j])
+                y[yo + j] = np.float32((v & 0x0F) | (((qh >> j) << 4) & 0x10)) * d + m
+                y[yo + 16 + j] = np.float32((v >> 4) | ((qh >> (j + 12)) & 0x10)) * d + m
 
 
 @njit(parallel=True, cache=True)
