@@ -71,13 +71,13 @@ def test_iq2_xxs_neighbour_lists_as_ggml_derives_them():
     for code in rng.choice(off, 200, replace=False):
         entry = code_map[code]
         assert entry < 0
-        count = neighbours[-entry - 1]
-        listed = neighbours[-entry:-entry + count]
+        count = neighbours[-entry - 1, 0]
+        listed = neighbours[-entry:-entry + count]  # rows of 8 levels
         levels = np.array([(code >> (2 * i)) & 3 for i in range(8)])
         d2 = ((grid - (2 * levels + 1)) ** 2).sum(axis=1)
         two = np.unique(d2)[:2]
         expect = sorted((d, j) for j, d in enumerate(d2) if d <= two[1])
-        assert listed.tolist() == [int(iq2_xxs.GRID_CODES[j]) for _, j in expect]
+        assert listed.tolist() == [iq2_xxs.GRID_LEVELS[j].tolist() for _, j in expect]
 
 
 def _random_blocks(fmt: str, n_blocks: int, seed: int) -> np.ndarray:

@@ -59,10 +59,10 @@ def search_tables() -> tuple[np.ndarray, np.ndarray]:
     """(code_map, neighbours), laid out as ggml's iq2xs_init_impl lays them out.
 
     code_map[u] is the grid index of code u, or -(offset + 1) when u is off the grid;
-    neighbours[offset] is the neighbour count n, followed by the n neighbours (ggml stores
-    their grid indices; we store their codes, which the search reads directly). Only codes
-    whose fields are all <= 2 can be looked up (the quantizer clamps to 2), so only those
-    get lists."""
+    neighbours[offset, 0] is the neighbour count n, and rows offset+1 .. offset+n are the
+    neighbours (ggml stores their grid indices; we store their eight levels, which the search
+    reads directly). Only codes whose fields are all <= 2 can be looked up (the quantizer
+    clamps to 2), so only those get lists."""
     code_map = np.full(_MAP_SIZE, -1, np.int32)
     code_map[GRID_CODES] = np.arange(256, dtype=np.int32)
     levels = np.array(list(itertools.product(range(3), repeat=8)), dtype=np.int64)[:, ::-1]
@@ -79,11 +79,12 @@ def search_tables() -> tuple[np.ndarray, np.ndarray]:
     counts = (ranked <= second[:, None]).sum(axis=1)
     starts = np.concatenate(([0], np.cumsum(counts + 1)[:-1]))
     code_map[codes] = -(starts + 1)
-    neighbours = np.empty(int((counts + 1).sum()), np.int32)
-    neighbours[starts] = counts
+    assert counts.max() < 256
+    neighbours = np.zeros((int((counts + 1).sum()), 8), np.uint8)
+    neighbours[starts, 0] = counts
     keep = np.arange(256)[None, :] < counts[:, None]
     slots = starts[:, None] + 1 + np.arange(256)[None, :]
-    neighbours[slots[keep]] = GRID_CODES[order[keep]]
+    neighbours[slots[keep]] = GRID_LEVELS[order[keep]]
     return code_map, neighbours
 
 
@@ -175,9 +176,9 @@ def make_qp_quants(xval, L, weight):
 
 @njit(cache=True)
 def _best_neighbour(neighbours, offset, xval, waux, base, scale, terms):
-    """ggml's iq2_find_best_neighbour: among the listed grid points (stored here as their
-    codes), the first with the least sum over the 8 elements of waux * diff * diff, where
-    diff = scale * (2l + 1) - x. Returns the winner's code.
+    """ggml's iq2_find_best_neighbour: among the listed grid points, the first with the least
+    sum over the 8 elements of waux * diff * diff, where diff = scale * (2l + 1) - x.
+    Returns the winner's code.
 
     Each element contributes one of three values, so they are computed once (terms[4i + l])
     and every candidate's distance is a sum of 8 of them, in element order as in C."""
@@ -187,18 +188,22 @@ def _best_neighbour(neighbours, offset, xval, waux, base, scale, terms):
         for l in range(3):
             diff = scale * np.float32(2 * l + 1) - x
             terms[4 * i + l] = w * diff * diff
-    count = np.int64(neighbours[offset])
+    count = np.int64(neighbours[offset, 0])
     best_d2 = _FLT_MAX
-    best = -1
-    for j in range(count):
-        code = neighbours[offset + 1 + j]
+    best = 1
+    for j in range(1, count + 1):
+        levels = neighbours[offset + j]
         d2 = np.float32(0.0)
         for i in range(8):
-            d2 += terms[4 * i + ((code >> (2 * i)) & 3)]
+            d2 += terms[4 * i + levels[i]]
         better = d2 < best_d2  # a select, not a branch: the winner is unpredictable
         best_d2 = d2 if better else best_d2
         best = j if better else best
-    return neighbours[offset + 1 + best]
+    levels = neighbours[offset + best]
+    code = 0
+    for i in range(8):
+        code |= np.int64(levels[i]) << (2 * i)
+    return code
 
 
 @njit(cache=True)
