@@ -154,11 +154,7 @@ def best_of(fn, repeat):
 
 def decode_weight_bytes(eng) -> int:
     """Bytes of weights one decode step reads: every matrix but the embedding (one row)."""
-    w = eng.weights
-    total = sum(lin.nbytes for lin in w.linears())
-    if w.tied_output:
-        total += w.output.nbytes
-    return total
+    return sum(lin.nbytes for lin in eng.weights.linears())
 
 
 def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> dict:

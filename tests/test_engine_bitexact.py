@@ -39,7 +39,7 @@ def _engine(model_dir, arch, fmt, int8, cache_type, **kw):
     path = model_dir / f"{arch}-{fmt}.gguf"
     if not path.exists():
         write_random_model(path, cfg, seed=9, default_type=fmt)
-    eng = Engine(path, exact=not int8, cache_type=cache_type, **kw)
+    eng = Engine(path, exact=not int8, int8="all", cache_type=cache_type, **kw)
     if int8:
         assert all(lin.int8 for lin in eng.weights.linears())
     return eng

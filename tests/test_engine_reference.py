@@ -62,7 +62,7 @@ def test_every_format_matches_reference_on_dequantized_weights(models, cfg, fmt)
     ref = reference_forward(stored, cfg, TOKENS)[0]
     assert rel_err(eng.forward(TOKENS, 0).logits, ref) < 2e-5
     if formats.FORMATS[fmt].has_int8_matmul:
-        eng.set_exact(False)
+        eng.set_int8("all")
         assert all(lin.int8 for lin in eng.weights.linears())
         approx = eng.forward(TOKENS, 0).logits
         assert rel_err(approx, ref) < 3e-2
@@ -151,3 +151,14 @@ def test_converted_checkpoint_matches_reference_on_hf_weights(which, request, tm
     toks = TOKENS % 300
     ref = reference_forward(weights, cfg, toks)[0]
     assert rel_err(eng.forward(toks, 0).logits, ref) < 1e-4
+
+
+def test_int8_path_policy(models):
+    from ds4tools.engine.weights import INT8_DEFAULT_FORMATS
+    for fmt in ("IQ2_XXS", "IQ4_NL", "Q8_0"):
+        path = models / f"policy-{fmt}.gguf"
+        write_random_model(path, QWEN3, seed=8, default_type=fmt)
+        has = formats.FORMATS[fmt].has_int8_matmul
+        assert {lin.int8 for lin in Engine(path).weights.linears()} == {has and fmt in INT8_DEFAULT_FORMATS}
+        assert {lin.int8 for lin in Engine(path, int8="all").weights.linears()} == {has}
+        assert {lin.int8 for lin in Engine(path, int8="all", exact=True).weights.linears()} == {False}

@@ -24,7 +24,7 @@ from .kv_cache import CACHE_TYPES
 from .sampling import Sampler
 from .tokenizer import GGUFTokenizer, TokenizerError
 from .transformer import DEFAULT_CHUNK, ForwardResult, Transformer
-from .weights import WeightsError, load_weights
+from .weights import INT8_MODES, WeightsError, load_weights
 
 #: context size when none is asked for (capped by the model's training context)
 DEFAULT_CTX = 4096
@@ -67,12 +67,16 @@ class Engine:
 
     ``model_path=None`` runs the bundled demo model (converted on first use, see
     ``ds4tools.engine.demo``). ``exact=True`` keeps every matmul on the float32-activation path
-    (bit-reproducible against the dequantized weights); otherwise formats with ggml's
-    int8-activation path use it. ``cache_type``: "f32" or "f16"."""
+    (equal to the float64 reference on the dequantized weights to float32 rounding);
+    otherwise ``int8`` picks where ggml's int8-activation path is used: "default" (the formats
+    where it is faster, weights.INT8_DEFAULT_FORMATS), "all" or "none".
+    ``cache_type``: "f32" or "f16"."""
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
-                 cache_type: str = "f32", exact: bool = False, chunk: int = DEFAULT_CHUNK,
-                 progress: bool = True):
+                 cache_type: str = "f32", exact: bool = False, int8: str = "default",
+                 chunk: int = DEFAULT_CHUNK, progress: bool = True):
+        if int8 not in INT8_MODES:
+            raise UsageError(f"unknown int8 mode {int8!r} (use {', '.join(INT8_MODES)})")
         if cache_type not in CACHE_TYPES:
             raise UsageError(f"--cache-type {cache_type}: use {' or '.join(CACHE_TYPES)}")
         if n_ctx is not None and n_ctx < 1:
@@ -96,7 +100,7 @@ class Engine:
         try:
             embd = self.gguf.tensors["token_embd.weight"]
             self.hparams = hparams_from_metadata(meta, n_vocab_tensor=int(embd.shape[0]))
-            self.weights = load_weights(self.gguf.tensors, self.hparams, int8=not exact)
+            self.weights = load_weights(self.gguf.tensors, self.hparams, int8="none" if exact else int8)
             self.tokenizer = GGUFTokenizer(meta)
         except (HParamsError, WeightsError, TokenizerError) as e:
             raise InvalidContentError(about(path, str(e))) from None
@@ -104,6 +108,7 @@ class Engine:
             raise InvalidContentError(about(path, f"the tokenizer has {self.tokenizer.n_vocab} tokens "
                                                   f"but the model only {self.hparams.n_vocab} rows"))
         self.exact = exact
+        self.int8_mode = int8
         ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
         self.model = Transformer(self.hparams, self.weights, n_ctx=ctx, cache_type=cache_type,
                                  chunk=chunk)
@@ -130,9 +135,15 @@ class Engine:
         return self.model.forward(tokens, start_pos, **kw)
 
     def set_exact(self, exact: bool) -> None:
-        """Switch between the float32 (exact) and int8-activation matmul paths."""
+        """Switch between the float32 (exact) path everywhere and the int8 mode chosen at load."""
         self.exact = bool(exact)
-        self.weights.set_int8(not exact)
+        self.weights.set_int8("none" if exact else self.int8_mode)
+
+    def set_int8(self, mode: str) -> None:
+        """Use ggml's int8-activation path "all" where a format has one, by "default", or "none"."""
+        self.int8_mode = mode
+        self.exact = mode == "none"
+        self.weights.set_int8(mode)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -182,4 +193,4 @@ class Engine:
     def __repr__(self) -> str:
         hp = self.hparams
         return (f"<Engine {self.path!r}: {hp.arch}, {hp.n_layer} layers, {hp.n_embd} wide, "
-                f"ctx {self.n_ctx}, {'exact' if self.exact else 'int8 where available'}>")
+                f"ctx {self.n_ctx}, {'exact' if self.exact else 'int8: ' + self.int8_mode}>")

@@ -15,6 +15,23 @@ from .. import formats
 from .hparams import HParams
 
 
+#: Formats whose int8-activation matmul the engine uses by default: where it was measured faster
+#: than the float32 path for one-token decoding (benchmarks/bench_engine.py --int8-check; 1
+#: thread, 2816x1024: IQ2_XXS 1.5 ms int8 vs 2.1 ms f32; IQ4_NL 1.0 vs 0.9: not listed).
+INT8_DEFAULT_FORMATS = frozenset({"IQ2_XXS"})
+INT8_MODES = ("default", "all", "none")
+
+
+def int8_for(fmt, mode: str) -> bool:
+    """Whether a matrix of format ``fmt`` takes the int8 path under ``mode``: "default" (the
+    formats above), "all" (every format that has one) or "none" (float32 everywhere)."""
+    if mode not in INT8_MODES:
+        raise ValueError(f"unknown int8 mode {mode!r} (use {', '.join(INT8_MODES)})")
+    if not fmt.has_int8_matmul or mode == "none":
+        return False
+    return mode == "all" or fmt.name in INT8_DEFAULT_FORMATS
+
+
 class WeightsError(ValueError):
     """A tensor problem (missing, wrong shape, unreadable type); the caller adds the file."""
 
@@ -109,14 +126,14 @@ class ModelWeights:
     formats_used: dict = field(default_factory=dict)
 
     def linears(self) -> list[Linear]:
-        out = [lin for layer in self.layers for lin in layer.linears()]
-        return out + ([] if self.tied_output else [self.output])
+        """Every matrix a forward multiplies with (the layers' and the output)."""
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.output]
 
-    def set_int8(self, enabled: bool) -> None:
-        """Switch every matrix between the int8-activation path (where its format has one)
-        and the exact float32 path."""
-        for lin in self.linears() + [self.output]:
-            lin.int8 = bool(enabled and lin.fmt.has_int8_matmul)
+    def set_int8(self, mode: str) -> None:
+        """Choose the matmul path of every matrix (see int8_for): "none" is the exact float32
+        path everywhere."""
+        for lin in self.linears():
+            lin.int8 = int8_for(lin.fmt, mode)
 
 
 # --- loading from GGUF tensors ---------------------------------------------------------------
@@ -144,18 +161,20 @@ def _vector(tensors: dict, name: str, n: int, *, required: bool = True):
     return np.ascontiguousarray(np.asarray(t.to_float32(), np.float32).reshape(n))
 
 
-def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: bool) -> Linear:
+def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: str) -> Linear:
     t = _tensor(tensors, name, (n_out, n_in))
     fmt = formats.format_for_type(t.ggml_type)
     if n_in % fmt.block_size:
         raise WeightsError(f"tensor {name}: row length {n_in} is not a multiple of "
                            f"{fmt.name}'s block size {fmt.block_size}")
-    return Linear(name, t.raw(), fmt, (n_out, n_in), int8=int8)
+    return Linear(name, t.raw(), fmt, (n_out, n_in), int8=int8_for(fmt, int8))
 
 
-def load_weights(tensors: dict, hp: HParams, *, int8: bool = True) -> ModelWeights:
+def load_weights(tensors: dict, hp: HParams, *, int8: str = "default") -> ModelWeights:
     """ModelWeights from GGUF tensors (name -> TensorRef: .shape, .ggml_type, .type_name, .raw(),
-    .to_float32()), llama.cpp's names. Raises WeightsError on a missing or misshapen tensor."""
+    .to_float32()), llama.cpp's names. Raises WeightsError on a missing or misshapen tensor.
+    ``int8``: the matmul path mode (see int8_for)."""
+    int8_for(formats.get_format("F32"), int8)  # validates the mode
     H, Q, KV = hp.n_embd, hp.n_q, hp.n_kv
     layers = []
     for i in range(hp.n_layer):
@@ -178,13 +197,15 @@ def load_weights(tensors: dict, hp: HParams, *, int8: bool = True) -> ModelWeigh
             bv=_vector(tensors, p + "attn_v.bias", KV, required=False),
             bo=_vector(tensors, p + "attn_output.bias", H, required=False),
         ))
-    token_embd = _linear(tensors, "token_embd.weight", hp.n_vocab, H, False)
+    token_embd = _linear(tensors, "token_embd.weight", hp.n_vocab, H, "none")
     tied = "output.weight" not in tensors
-    output = token_embd if tied else _linear(tensors, "output.weight", hp.n_vocab, H, int8)
-    if tied and int8:
-        output = Linear(token_embd.name, token_embd.raw, token_embd.fmt, token_embd.shape, int8=True)
+    if tied:  # the same bytes, as a separate Linear so its matmul path can differ
+        output = Linear(token_embd.name, token_embd.raw, token_embd.fmt, token_embd.shape,
+                        int8=int8_for(token_embd.fmt, int8))
+    else:
+        output = _linear(tensors, "output.weight", hp.n_vocab, H, int8)
     rope_freqs = _vector(tensors, "rope_freqs.weight", hp.n_rot // 2, required=False)
-    expected = _expected_names(hp, tensors)
+    expected = _expected_names(hp)
     unknown = [n for n in tensors if n not in expected]
     if unknown:
         raise WeightsError(f"unexpected tensor {unknown[0]} for a {hp.arch} model"
@@ -192,7 +213,7 @@ def load_weights(tensors: dict, hp: HParams, *, int8: bool = True) -> ModelWeigh
     used: dict[str, int] = {}
     weights = ModelWeights(token_embd, layers, _vector(tensors, "output_norm.weight", H), output,
                            rope_freqs, tied, used)
-    for lin in [token_embd] + weights.linears():
+    for lin in [token_embd] + weights.linears()[:-1] + ([] if tied else [output]):
         used[lin.fmt.name] = used.get(lin.fmt.name, 0) + 1
     return weights
 
@@ -204,7 +225,7 @@ _LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.
                   "attn_rot_embd")  # old llama files carry rotary tables llama.cpp ignores
 
 
-def _expected_names(hp: HParams, tensors: dict) -> set[str]:
+def _expected_names(hp: HParams) -> set[str]:
     names = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
     for i in range(hp.n_layer):
         names.update(f"blk.{i}.{t}" for t in _LAYER_TENSORS)
