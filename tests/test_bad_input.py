@@ -266,3 +266,12 @@ def test_nan_in_the_weights(tmp_path):
     w["model.layers.0.self_attn.v_proj.weight"][0, 1] = np.inf
     hf_models.write_weights(d, w)
     quantize_fails(d, 1, "tensor 'blk.0.attn_v.weight': array contains Inf at index (0, 1)", tmp_path)
+
+
+def test_missing_or_broken_imatrix(small_hf, tmp_path):
+    r = cli("quantize", small_hf, "-o", tmp_path / "o.gguf", "--type", "Q4_K_M", "--imatrix", tmp_path / "no.dat")
+    assert r.exit_code == 2 and one_line(r) == f"ds4tools: {tmp_path / 'no.dat'}: no such imatrix file"
+    (tmp_path / "bad.dat").write_bytes(struct.pack("<i", 2 ** 30) + b"\x00" * 16)
+    r = cli("quantize", small_hf, "-o", tmp_path / "o.gguf", "--type", "Q4_K_M", "--imatrix", tmp_path / "bad.dat")
+    assert r.exit_code == 1 and one_line(r).startswith(f"ds4tools: {tmp_path / 'bad.dat'}: ")
+    assert not (tmp_path / "o.gguf").exists()

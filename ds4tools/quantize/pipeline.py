@@ -54,6 +54,8 @@ class QuantizeResult:
 def load_imatrix_file(path: str):
     """The importance matrix at ``path`` (llama.cpp's GGUF or .dat format)."""
     from ..gguf_io.imatrix import load_imatrix
+    if not os.path.isfile(path):
+        raise UsageError(about(path, "no such imatrix file"))
     try:
         return load_imatrix(path)
     except (InvalidContentError, UsageError):
@@ -100,11 +102,12 @@ def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quanti
         _declare(writer, source, plan, imatrix, options.imatrix)
         writer.begin()
         _stream(writer, source, plan, imatrix, options)
-        target = writer.commit()
+        writer.commit()
     except BaseException:
         writer.abort()
         raise
     secs = time.perf_counter() - start
+    target = os.fspath(out)
     summary = (f"{target}: {len(plan.entries)} tensors, {format_bytes(plan.src_bytes)} -> "
                f"{format_bytes(plan.out_bytes)}, {plan.bits_per_weight:.2f} bits per weight, "
                f"{secs:.1f} s")
