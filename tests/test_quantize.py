@@ -265,6 +265,20 @@ def test_iq2_xxs_needs_an_imatrix_and_uses_it(hf_llama, tmp_path):
         want = formats.quantize(values[name], e.out_type, imatrix=entries[name])
         assert np.array_equal(stored_bytes(tensors[name]), want.reshape(-1)), name
 
+    # llama.cpp exempts the embeddings from needing an imatrix; IQ2_XXS's quantizer still needs
+    # importance weights, so an embedding without an entry gets the synthetic ones
+    from ds4tools.gguf_io.imatrix import synthetic_imatrix
+    del entries["token_embd.weight"]
+    save_imatrix(Imatrix(entries, ["corpus"], 10), tmp_path / "partial.gguf")
+    result, _ = run(hf_llama, tmp_path / "y.gguf", "IQ2_XXS", imatrix=str(tmp_path / "partial.gguf"),
+                    token_embedding_type="IQ2_XXS")
+    e = {x.name: x for x in result.plan.entries}["token_embd.weight"]
+    assert e.out_type == "IQ2_XXS" and e.imatrix == "synthetic"
+    assert "synthetic imatrix" in result.plan.table()
+    emb = values["token_embd.weight"]
+    want = formats.quantize(emb, "IQ2_XXS", imatrix=synthetic_imatrix(emb))
+    assert np.array_equal(stored_bytes(read(result.output)[2]["token_embd.weight"]), want.reshape(-1))
+
 
 # --- options ---------------------------------------------------------------------------------
 
@@ -286,6 +300,10 @@ def test_pure_gives_every_weight_the_type(hf_llama, tmp_path):
     result, _ = run(hf_llama, None, "Q4_K_M", pure=True, dry_run=True)
     types = {e.out_type for e in result.plan.entries if len(e.shape) == 2}
     assert types == {"Q4_K"}
+    result, notes = run(hf_llama, None, "F16", tensor_types=["ffn=Q8_0"], dry_run=True)
+    assert {e.out_type for e in result.plan.entries if len(e.shape) == 2} == {"F16"}
+    assert "warning: --tensor-type applies only to quantized targets (as in llama.cpp); " \
+           "ignored for F16" in notes
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(hf_qwen3, tmp_path):
