@@ -167,3 +167,25 @@ def test_kv_cache_rules():
     assert c.length == 3
     with pytest.raises(ValueError, match="unknown cache type"):
         KVCache(1, 1, 4, 4, "q8")
+
+
+def test_rope_tables_yarn_as_ggml_defines_it():
+    # ggml's rope_yarn, restated in float64: theta blends the interpolated and extrapolated
+    # angles with a ramp over the dimension pairs, and cos/sin are scaled by mscale.
+    n_rot, base, scale, n_orig, beta_fast, beta_slow = 64, 10000.0, 0.25, 512, 32.0, 1.0
+    cos, sin = kernels.rope_tables(40, n_rot, base, freq_scale=scale, yarn=(n_orig, beta_fast, beta_slow, 1.0, 1.0))
+
+    def corr_dim(n_turns):
+        return n_rot * np.log(n_orig / (n_turns * 2 * np.pi)) / (2 * np.log(base))
+    low, high = max(0.0, np.floor(corr_dim(beta_fast))), min(n_rot - 1.0, np.ceil(corr_dim(beta_slow)))
+    mscale = 1.0 + 0.1 * np.log(1.0 / scale)
+    for p in (0, 1, 7, 39):
+        for i in (0, 5, 13, 20, 31):
+            extrap = p * base ** (-2.0 * i / n_rot)
+            ramp = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+            theta = extrap * scale * (1 - ramp) + extrap * ramp
+            assert cos[p, i] == np.float32(np.cos(theta) * mscale)
+            assert sin[p, i] == np.float32(np.sin(theta) * mscale)
+    # without YaRN: plain (linearly scaled) angles
+    cos, sin = kernels.rope_tables(8, n_rot, base, freq_scale=0.5)
+    assert cos[3, 2] == np.float32(np.cos(3 * base ** (-4.0 / n_rot) * 0.5))

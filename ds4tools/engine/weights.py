@@ -154,10 +154,16 @@ def _tensor(tensors: dict, name: str, shape: tuple[int, ...], *, required: bool 
     return t
 
 
+_PLAIN_FLOATS = {"F32": np.float32, "F16": np.float16}
+
+
 def _vector(tensors: dict, name: str, n: int, *, required: bool = True):
     t = _tensor(tensors, name, (n,), required=required)
     if t is None:
         return None
+    plain = _PLAIN_FLOATS.get(t.type_name)
+    if plain is not None:  # norms are F32 (llama.cpp keeps 1-D tensors so): no kernel needed
+        return np.asarray(t.raw()).view(plain).astype(np.float32).reshape(n)
     return np.ascontiguousarray(np.asarray(t.to_float32(), np.float32).reshape(n))
 
 
@@ -167,7 +173,8 @@ def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: str) -> Linea
     if n_in % fmt.block_size:
         raise WeightsError(f"tensor {name}: row length {n_in} is not a multiple of "
                            f"{fmt.name}'s block size {fmt.block_size}")
-    return Linear(name, t.raw(), fmt, (n_out, n_in), int8=int8_for(fmt, int8))
+    # np.asarray: a plain ndarray view of the memory map (numba dispatches faster on it)
+    return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in), int8=int8_for(fmt, int8))
 
 
 def load_weights(tensors: dict, hp: HParams, *, int8: str = "default") -> ModelWeights:
