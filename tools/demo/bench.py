@@ -1,0 +1,104 @@
+"""Per-step times of every stage at the plan's shapes, on random data (run it on an idle machine)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .common import Log, Plan
+from .model import DraftShape, DSparkDraft, Qwen3Target, TargetShape
+from .rollout import rollout
+from .train_dspark import dspark_loss
+from .train_mtp import mtp_losses
+from .train_target import make_optimizer
+
+
+def _best(fn, warm: int = 2, reps: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.time()
+        fn()
+        times.append(time.time() - t)
+    return min(times)
+
+
+def bench(plan: Plan, log: Log) -> dict:
+    torch.manual_seed(0)
+    s, d = TargetShape(), DraftShape()
+    target = Qwen3Target(s)
+    v = s.vocab_size
+    out = {}
+
+    params = target.trunk_parameters()
+    opt = make_optimizer(params, 1e-3, 0.1)
+    batch = torch.randint(0, v, (plan.target_batch, plan.target_seq + 1))
+
+    def target_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h, _ = target(batch[:, :-1])
+            logits = target.lm_head(h)
+        loss = F.cross_entropy(logits.float().reshape(-1, v), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    out["target"] = {"seconds_per_step": _best(target_step),
+                     "what": f"fwd+bwd+AdamW, {plan.target_batch}x{plan.target_seq} tokens"}
+    log(f"bench target {out['target']['seconds_per_step']:.3f} s/step")
+
+    mopt = make_optimizer(list(target.mtp.parameters()), 1e-3, 0.0)
+    mbatch = torch.randint(0, v, (plan.mtp_batch, plan.mtp_seq + 1))
+
+    def mtp_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kl, ce, _ = mtp_losses(target, mbatch)
+        mopt.zero_grad()
+        (kl + ce).backward()
+        mopt.step()
+
+    out["mtp"] = {"seconds_per_step": _best(mtp_step),
+                  "what": f"frozen target fwd + MTP fwd/bwd, {plan.mtp_batch}x{plan.mtp_seq}"}
+    log(f"bench mtp {out['mtp']['seconds_per_step']:.3f} s/step")
+
+    nb, a, t_len = plan.ds_gen_batch, plan.ds_anchors_per_window, plan.ds_window_len
+    ids = torch.randint(0, v, (nb, t_len))
+    anchors = torch.from_numpy(np.sort(np.random.default_rng(0).choice(
+        np.arange(plan.ds_min_anchor, t_len), size=(nb, a)), axis=1)).long()
+    anchors = torch.cat([anchors, anchors], 1)
+    temps = torch.cat([torch.zeros(nb, a), torch.ones(nb, a)], 1)
+
+    def data_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            rollout(target, ids, anchors, d.block_size, temps, torch.Generator().manual_seed(0),
+                    capture=d.target_layer_ids)
+
+    out["dspark_data"] = {"seconds_per_step": _best(data_step, 1, 3),
+                          "what": f"{nb} windows x {a} anchors x 2 rollouts"}
+    log(f"bench dspark data {out['dspark_data']['seconds_per_step']:.3f} s/shard")
+
+    draft = DSparkDraft(s, d)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    dopt = make_optimizer(list(draft.parameters()), 1e-3, 0.0)
+    w = plan.ds_windows_per_step
+    feats = torch.randn(w, t_len, len(d.target_layer_ids) * s.hidden_size)
+    dids = torch.randint(0, v, (w, t_len))
+    danchors = anchors[:w]
+    roll = torch.randint(0, v, (w, 2 * a, d.block_size))
+    roll_hidden = torch.randn(w, 2 * a, d.block_size, s.hidden_size)
+
+    def draft_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = dspark_loss(draft, target, dids, feats, danchors, roll, roll_hidden)
+        dopt.zero_grad()
+        loss.backward()
+        dopt.step()
+
+    out["dspark"] = {"seconds_per_step": _best(draft_step),
+                     "what": f"{w} windows x {2 * a} blocks, fwd+bwd+AdamW"}
+    log(f"bench dspark {out['dspark']['seconds_per_step']:.3f} s/step")
+    return out
