@@ -50,7 +50,6 @@ class Workspace:
         self.proj = np.empty((rows, hp.n_embd), f)
         self.gate = np.empty((rows, hp.n_ff), f)
         self.up = np.empty((rows, hp.n_ff), f)
-        self.logits = np.empty((rows, hp.n_vocab), f)
 
 
 def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, layer: int,
@@ -124,9 +123,14 @@ class Transformer:
         self.cache_type = cache_type
         self.cache = self.new_cache()
 
-    def new_cache(self, n_ctx: int | None = None) -> KVCache:
+    def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None) -> KVCache:
+        """A cache shaped for this model (``n_layer`` other than the model's: for a drafter's
+        own layers); at most the model's context, which the rope tables cover."""
         hp = self.hp
-        return KVCache(hp.n_layer, hp.n_head_kv, n_ctx or self.n_ctx, hp.head_dim, self.cache_type)
+        n_ctx = n_ctx or self.n_ctx
+        if n_ctx > self.n_ctx:
+            raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
+        return KVCache(n_layer or hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim, self.cache_type)
 
     def embed(self, tokens) -> np.ndarray:
         """Token embeddings (k, n_embd) float32."""
@@ -198,9 +202,24 @@ class Transformer:
                    cache: KVCache, hidden: dict | None = None, layers=None) -> None:
         """All decoder layers (or ``layers``, an iterable of indices) on x (k <= chunk rows),
         in place; copies of the raw outputs of the layers in ``hidden`` are appended there."""
-        if x.shape[0] > self.ws.rows:
-            raise ValueError(f"{x.shape[0]} rows exceed the workspace of {self.ws.rows}")
+        # The kernels do not check bounds: everything they index is checked here, once.
+        positions = np.ascontiguousarray(positions, np.int64)
+        limits = np.ascontiguousarray(limits, np.int64)
+        k = x.shape[0]
+        if k > self.ws.rows:
+            raise ValueError(f"{k} rows exceed the workspace of {self.ws.rows}")
+        if x.shape != (k, self.hp.n_embd) or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 of shape (k, {self.hp.n_embd})")
+        if positions.shape != (k,) or limits.shape != (k,):
+            raise ValueError("positions and limits need one entry per row")
+        if cache.k.shape[1:] != (self.hp.n_head_kv, cache.n_ctx, self.hp.head_dim):
+            raise ValueError("the cache does not fit this model's attention shape")
+        if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
+                  or limits.min() < 1 or limits.max() > cache.n_ctx):
+            raise ValueError(f"positions must lie in [0, {cache.n_ctx}) and limits in [1, {cache.n_ctx}]")
         for il in (range(self.hp.n_layer) if layers is None else layers):
+            if not 0 <= il < cache.n_layer:
+                raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
             layer_forward(x, self.weights.layers[il], self.hp, cache, il, positions, limits,
                           self.rope, self.ws)
             if hidden is not None and il in hidden:
