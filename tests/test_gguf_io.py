@@ -219,3 +219,20 @@ def test_bulk_array_reading_gives_what_gguf_reader_gives(tmp_path):
         assert f.value_type(key)[0] == field.types[0]
     assert f.value_type("a.int32") == (V.ARRAY, V.INT32)
     assert f.metadata["a.after"] == "still in place"
+
+
+def test_bulk_array_writing_gives_the_bytes_gguf_writer_gives(tmp_path):
+    keys = [("a.strings", ["", "x", "ü日本", "a b"] * 40, V.ARRAY, V.STRING),
+            ("a.i32", list(range(-300, 300)), V.ARRAY, V.INT32),
+            ("a.f32", [0.1, -2.5, 1e-7, 3.0e38], V.ARRAY, V.FLOAT32),
+            ("a.u8", [0, 1, 255], V.ARRAY, V.UINT8), ("a.bool", [True, False], V.ARRAY, V.BOOL),
+            ("a.u64", [2 ** 64 - 1, 0], V.ARRAY, V.UINT64), ("a.f64", [1e-300], V.ARRAY, V.FLOAT64),
+            ("a.nested", [[1, 2], [3]], V.ARRAY, None), ("a.s", "text", V.STRING, None)]
+    ref = gguf.GGUFWriter(tmp_path / "ref.gguf", "llama")
+    for key, value, vtype, sub in keys:
+        ref.add_key_value(key, value, vtype, sub)
+    ref.write_header_to_file(); ref.write_kv_data_to_file(); ref.write_tensors_to_file(); ref.close()
+    with GGUFStreamWriter(tmp_path / "ours.gguf", "llama") as w:
+        for key, value, vtype, sub in keys:
+            w._writer.add_key_value(key, value, vtype, sub)  # nested arrays have no sub type
+    assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "ref.gguf").read_bytes()

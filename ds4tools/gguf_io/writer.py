@@ -15,10 +15,11 @@ The writer refuses to replace one of its inputs, and an existing target unless t
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from ..errors import UsageError, about
 from .reader import byte_shape_of
@@ -42,6 +43,34 @@ def _as_type(t) -> GGMLQuantizationType:
     return GGMLQuantizationType(int(getattr(t, "ggml_type", t)))
 
 
+_ARRAY_DTYPES = {
+    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4", GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8",
+    GGUFValueType.FLOAT64: "<f8", GGUFValueType.BOOL: "?",
+}
+
+
+class _BulkArrayWriter(GGUFWriter):
+    """gguf's writer, packing metadata arrays in one go instead of element by element (the
+    same bytes; a 150k-token vocabulary with its types and merges packs in a fraction of a
+    second instead of seconds)."""
+
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None) -> bytes:
+        if (vtype != GGUFValueType.ARRAY or sub_type is None or not val
+                or self.endianess != GGUFEndian.LITTLE or isinstance(val, (bytes, str))):
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+        head = struct.pack("<I", vtype) if add_vtype else b""
+        head += struct.pack("<IQ", sub_type, len(val))
+        dtype = _ARRAY_DTYPES.get(sub_type)
+        if dtype is not None:
+            return head + np.asarray(val, dtype=dtype).tobytes()
+        if sub_type == GGUFValueType.STRING:
+            parts = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in val]
+            return head + b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+        return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
 class GGUFStreamWriter:
     def __init__(self, target, arch: str, *, inputs=(), overwrite: bool = False,
                  alignment: int | None = None):
@@ -59,7 +88,7 @@ class GGUFStreamWriter:
         fd, self.temp_path = tempfile.mkstemp(
             prefix="." + os.path.basename(self.target) + ".", suffix=".tmp", dir=folder)
         os.close(fd)
-        self._writer = GGUFWriter(self.temp_path, arch)
+        self._writer = _BulkArrayWriter(self.temp_path, arch)
         if alignment is not None and alignment != self._writer.data_alignment:
             self._writer.data_alignment = int(alignment)
             self._writer.add_key_value("general.alignment", int(alignment), GGUFValueType.UINT32)
