@@ -74,29 +74,32 @@ def _q8_0_quantize(x, out):
             out[r, b * 34 + 2:b * 34 + 34] = qb[b * QK:(b + 1) * QK]
 
 
+@njit(cache=True)
+def _q8_0_decode_row(rr, lut, w, qk):
+    # d * q for one row, as q8_0_dequantize_block. qk (= QK) comes in at run time: with a
+    # constant trip count LLVM unrolls the loop into scalar code, 2.5x slower.
+    for b in range(w.shape[0] // QK):
+        d = lut[np.int64(rr[b * 34]) | (np.int64(rr[b * 34 + 1]) << 8)]
+        for j in range(qk):
+            w[b * QK + j] = d * np.float32(np.int8(rr[b * 34 + 2 + j]))
+
+
 @njit(parallel=True, cache=True)
-def _q8_0_dequantize(raw, out):
-    rows, n = out.shape
-    nb = n // QK
-    for r in prange(rows):
-        for b in range(nb):
-            q8_0_dequantize_block(raw[r, b * 34:(b + 1) * 34], out[r, b * QK:(b + 1) * QK])
+def _q8_0_dequantize(raw, lut, out, qk):
+    for r in prange(raw.shape[0]):
+        _q8_0_decode_row(raw[r], lut, out[r], qk)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _q8_0_matmul(raw, lut, x, out):
+def _q8_0_matmul(raw, lut, x, out, qk):
     # Decode the row to floats once (d * q, exactly the dequantized weights), then one flat
     # dot per activation row: no horizontal sum per 32-block, so each extra row costs a plain
     # vectorized dot (the engine's batched verification depends on that; 2x faster at k=1 too).
     n_out = raw.shape[0]
     k, n_in = x.shape
-    nb = n_in // QK
     for r in prange(n_out):
         w = np.empty(n_in, np.float32)
-        for b in range(nb):
-            d = lut[np.int64(raw[r, b * 34]) | (np.int64(raw[r, b * 34 + 1]) << 8)]
-            for j in range(QK):
-                w[b * QK + j] = d * np.float32(np.int8(raw[r, b * 34 + 2 + j]))
+        _q8_0_decode_row(raw[r], lut, w, qk)
         for t in range(k):
             acc = np.float32(0.0)
             for i in range(n_in):
@@ -116,11 +119,11 @@ class Q8_0(QuantFormat):
 
     def _cpu_dequantize(self, raw, n_per_row):
         out = np.empty((raw.shape[0], n_per_row), np.float32)
-        _q8_0_dequantize(raw, out)
+        _q8_0_dequantize(raw, FP16_TO_FP32, out, QK)
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _q8_0_matmul(raw, FP16_TO_FP32, x, out)
+        _q8_0_matmul(raw, FP16_TO_FP32, x, out, QK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import legacy as k
