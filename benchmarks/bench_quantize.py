@@ -87,17 +87,27 @@ def make_model(path, cfg, seed=0) -> int:
     return sum(int(np.prod(s)) for s in shapes.values())
 
 
-_CHILD_OURS = """
-import json, resource, sys, time
+_PEAK_RSS = """
+def peak_rss_mib():
+    # VmHWM belongs to this address space; ru_maxrss would include the parent's peak, which
+    # Linux carries across fork + exec
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+"""
+_CHILD_OURS = _PEAK_RSS + """
+import json, sys, time
 t0 = time.perf_counter()
 from ds4tools.quantize import QuantizeOptions, quantize_model
 r = quantize_model(sys.argv[1], sys.argv[2], QuantizeOptions(sys.argv[3], threads=int(sys.argv[4]),
                    progress=False), report=lambda m: None)
-print(json.dumps({"seconds": time.perf_counter() - t0,
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": time.perf_counter() - t0, "rss_mib": peak_rss_mib()}))
 """
-_CHILD_LLAMA_CPP = """
-import ctypes, json, resource, sys, time
+_CHILD_LLAMA_CPP = _PEAK_RSS + """
+import ctypes, json, sys, time
 import llama_cpp
 from gguf import LlamaFileType
 p = llama_cpp.llama_model_quantize_default_params()
@@ -106,8 +116,7 @@ p.nthread = int(sys.argv[4])
 t0 = time.perf_counter()
 rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p))
 assert rc == 0, rc
-print(json.dumps({"seconds": time.perf_counter() - t0,
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": time.perf_counter() - t0, "rss_mib": peak_rss_mib()}))
 """
 
 
