@@ -1,20 +1,26 @@
-"""ggml's scale searches (make_qx_quants and friends), one block's arrays at a time.
+"""ggml's scale searches (make_qx_quants and friends), bit for bit and vectorizable.
 
-Every K-quant and the imatrix paths of the 32-element formats pick a block's scale (and min)
-with one of these searches. They are plain ``@njit`` functions on small arrays, so the CPU
+Every K-quant and the imatrix paths of the 32-element formats pick each group's scale (and
+min) with one of these searches. They are plain ``@njit`` functions on small arrays, so the CPU
 kernels (``prange`` over rows) and the CUDA kernels (one thread per block, ``cuda.local.array``
 buffers) run the same code. Each reproduces ggml's float32 arithmetic operation for operation:
 the same sums in the same order, ``nearest_int`` as ggml's ``+ 12582912.f`` bit trick, ints
 converted to float32 exactly where C converts them.
 
-ggml tries a handful of candidate scales one after the other. Here the candidates advance side
-by side, one array slot each: every slot still sums its terms in ggml's order, so each result is
-the same float, but the inner loop over candidates vectorizes. The winner is then chosen by
-walking the candidates in ggml's order with ggml's comparisons, and its quants are recomputed.
+Two shapes of the same arithmetic, both vectorizable:
+
+* many groups at once (``*_lanes``, ``*_groups``): the bulk work, every sub-block of a row (or
+  of a CUDA thread's super-block) searched together, one SIMD lane per group, each lane
+  running ggml's exact sequence of candidates. Data sit "transposed": value i of group g at
+  [i * ng + g].
+* one group, candidates side by side (``make_qx_quants``, ``make_qp_quants``, used on a
+  super-block's 16 or 8 sub-scales): ggml tries candidate scales one after the other; here each
+  candidate has an array slot and still sums its terms in ggml's order, and the winner is then
+  chosen by walking the candidates in ggml's order with ggml's comparisons.
 
 Conventions: ``x`` and weights ``w`` are float32 arrays of (at least) ``n`` values, quants go to
-an int32 array ``L``, ``scratch`` is a float32 array of ``SCRATCH`` values. Functions return the
-scale (and, for the affine searches, ``the_min`` as ggml's out-parameter: minus the offset).
+int32 arrays, ``scratch`` / ``work`` are float32 arrays (SCRATCH values, LANE_WORK per group).
+Affine searches also return ``the_min`` as ggml's out-parameter (minus the offset).
 """
 import numpy as np
 from llvmlite import ir
@@ -25,10 +31,10 @@ from .floats import f32_bits_to_f16
 
 #: ggml's threshold under which a group counts as all zero
 GROUP_MAX_EPS = np.float32(1e-15)
-#: candidate slots: make_qkx3_quants with nstep=36 tries 37 scales
-MAX_CANDIDATES = 40
-#: float32 scratch values a search needs
-SCRATCH = 8 * MAX_CANDIDATES
+#: candidate slots of the one-group searches: make_qx_quants tries 18 scales after its first
+MAX_CANDIDATES = 18
+#: float32 scratch values make_qx_quants and make_qp_quants need
+SCRATCH = 3 * MAX_CANDIDATES
 
 
 @intrinsic
@@ -199,10 +205,8 @@ def make_qp_quants(n, nmax, x, L, w, scratch):
 
 
 # --- many groups at once: one lane per group --------------------------------------------------
-# make_qkx2/3_quants update their min whenever a candidate wins, so their candidates cannot
-# advance side by side. Groups (sub-blocks) are independent, though: these versions run ggml's
-# exact sequence of candidates for ``ng`` groups together, the inner loop over groups. Arrays
-# are "transposed": value i of group g sits at [i * ng + g].
+# (make_qkx2/3_quants also move their min whenever a candidate wins, so their candidates could
+# not advance side by side anyway.)
 
 #: float32 work values per group for affine_search_lanes
 LANE_WORK = 18

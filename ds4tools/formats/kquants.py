@@ -9,9 +9,11 @@ kernels (``ds4tools.formats.cuda.kquants``, one thread per super-block); the sca
 live in ``_search``.
 
 ``quantize_row`` is the entry point for both: the CPU hands it a whole row, a CUDA thread one
-super-block. Q2_K, Q4_K and Q5_K search all sub-blocks of what they are given at once (one
-SIMD lane per sub-block, see ``_search.affine_search_lanes``); the others go super-block by
-super-block. Scratch sizes depend on the row length: ``int_scratch(n)``, ``float_scratch(n)``.
+super-block. It searches all sub-blocks of what it is given at once (one SIMD lane per
+sub-block, see ``_search``), then finishes super-block by super-block (sub-scales, fp16
+scales, final quants, packing). Scratch sizes depend on the row length: ``int_scratch(n)``,
+``float_scratch(n)``. Decoding: the CUDA kernels call ``dequantize_block``; the CPU runs flat
+loop nests (``_decode_*``) that vectorize; tests check both against each other and gguf-py.
 
 Where ggml re-reads its rounded fp16 scales before computing the final quants, so do we
 (``_f16(ob, off)``): Q2_K and Q3_K..Q6_K all requantize from the stored fp16 d (and dmin).
@@ -31,8 +33,6 @@ from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, a
 QK_K = 256
 KIND = {"Q2_K": 0, "Q3_K": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
 TYPE_SIZE = (84, 110, 144, 176, 210)
-_WTS, _SCALES, _MINS, _SW, _SEARCH = 0, 32, 48, 64, 128  # per-super-block float scratch
-_BLOCK_SCRATCH = _SEARCH + SCRATCH
 
 
 @njit(cache=True)
@@ -44,7 +44,7 @@ def int_scratch(n):
 @njit(cache=True)
 def float_scratch(n):
     """float32 scratch values quantize_row needs for a row of n values."""
-    return 3 * n + (3 + LANE_WORK) * (n // 16) + _BLOCK_SCRATCH
+    return 3 * n + (3 + LANE_WORK) * (n // 16) + SCRATCH
 
 
 @njit(cache=True)
@@ -190,7 +190,7 @@ def _affine_row(kind, x, qw, weighted, o, iw, fw):
     sw = fw[f + 2 * ng:f + 3 * ng]
     work = fw[f + 3 * ng:f + (3 + LANE_WORK) * ng]
     f += (3 + LANE_WORK) * (n // 16)
-    search = fw[f + _SEARCH:f + _SEARCH + SCRATCH]
+    search = fw[f:f + SCRATCH]
     for sb in range(n // QK_K):
         lo = sb * QK_K
         xs = x[lo:lo + QK_K]
@@ -320,7 +320,7 @@ def _q3_q6_row(kind, x, qw, weighted, o, iw, fw):
     sw = fw[f + ng:f + 2 * ng]
     work = fw[f + 3 * ng:f + (3 + LANE_WORK) * ng]
     f += (3 + LANE_WORK) * ng
-    search = fw[f + _SEARCH:f + _SEARCH + SCRATCH]
+    search = fw[f:f + SCRATCH]
     if kind == 4:
         for i in range(n):
             w[i] = qw[i] if weighted else x[i] * x[i]
