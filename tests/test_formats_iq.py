@@ -38,7 +38,7 @@ def test_iq4_nl_midpoint_count_equals_ggml_binary_search():
             above = np.nextafter(above, np.float32(np.inf), dtype=np.float32)
             xs.append(np.array([below, above], np.float32))
         xs.append(np.array([m], np.float32))
-    xs.append(np.array([0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, np.inf, -np.inf], np.float32))
+    xs.append(np.array([0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, np.inf, -np.inf, np.nan], np.float32))
     for x in np.concatenate(xs):
         assert iq4_nl.best_index(iq4_nl.MIDPOINTS, x) == _literal_best_index_int8(iq4_nl.KVALUES, x), x
 
@@ -184,3 +184,17 @@ def test_q8_k_activations_match_ggml_rounding():
             expect = np.minimum(127, np.rint(iscale * blk)).astype(np.int8)
             np.testing.assert_array_equal(qx[t, 256 * b:256 * (b + 1)], expect)
             assert dx[t, b] == np.float32(1.0) / iscale
+
+
+@pytest.mark.parametrize("scale", [1e30, 3.4e38, 1e-20, 1e-38, 1e-44])
+@pytest.mark.parametrize("name", ["IQ4_NL", "IQ2_XXS"])
+def test_bytes_equal_ggml_at_the_edges_of_float32(name, scale):
+    # sums of squares overflow to inf (scales become inf / inf = NaN) or values are subnormal:
+    # every NaN-driven comparison and NaN's fp16 sign must still come out as in ggml
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x = (x / np.abs(x).max() * np.float32(scale)).astype(np.float32)
+    w = rng.random(256).astype(np.float32)
+    np.testing.assert_array_equal(formats.quantize(x, name, imatrix=w), ggml_quantize(x, name, w))
+    if not formats.FORMATS[name].requires_imatrix:
+        np.testing.assert_array_equal(formats.quantize(x, name), ggml_quantize(x, name))
