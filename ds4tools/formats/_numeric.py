@@ -38,10 +38,10 @@ def round_away(v):
 @njit(cache=True)
 def fp32_to_fp16(v):
     """float -> fp16 bit pattern (int in 0..65535), round to nearest even, like ggml."""
-    if v != v:
-        return 0x7E00
     x = float(v)
     sign = 0x8000 if math.copysign(1.0, x) < 0.0 else 0
+    if x != x:  # NaN keeps its sign, like ggml
+        return sign | 0x7E00
     a = abs(x)
     if a >= 65520.0:
         return sign | 0x7C00

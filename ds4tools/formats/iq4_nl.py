@@ -53,15 +53,6 @@ def best_index(mids, x):
 
 
 @njit(cache=True)
-def scale_to_fp16(v):
-    """fp32_to_fp16, except that a NaN keeps its sign, as ggml's conversion does (a scale is NaN
-    only when the weights overflow: inf / inf, whose x86 result is a negative NaN)."""
-    if v != v:
-        return 0xFE00 if math.copysign(1.0, v) < 0 else 0x7E00
-    return fp32_to_fp16(v)
-
-
-@njit(cache=True)
 def iq4_nl_quantize_block(xb, qw, use_qw, values, mids, steps, ob, weight, cand):
     """One block of 32 floats -> 18 bytes, as ggml's quantize_row_iq4_nl_impl (ntry = 7).
 
@@ -114,7 +105,7 @@ def iq4_nl_quantize_block(xb, qw, use_qw, values, mids, steps, ob, weight, cand)
             if sq2[c] > 0 and sqx[c] * sqx[c] > best * sq2[c]:
                 d = sqx[c] / sq2[c]
                 best = d * sqx[c]
-    put_fp16(ob, 0, scale_to_fp16(d))
+    put_fp16(ob, 0, fp32_to_fp16(d))
     inv_d = np.float32(1.0) / d if d != 0 else np.float32(0.0)
     for j in range(16):
         lo = best_index(mids, inv_d * xb[j])
