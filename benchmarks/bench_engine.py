@@ -291,7 +291,8 @@ def main() -> None:
     paths = prepare_models(folder, cfg, names, log)
 
     bw = memcpy_bandwidth(1 << 28 if args.quick else 1 << 30)
-    log(f"numpy memory copy: {bw:.1f} GB/s (bytes read per second)   threads: {args.threads}")
+    log(f"numpy memory copy: {bw:.1f} GB/s (bytes read per second)   threads: {args.threads}   "
+        f"load average: {' '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} cores")
     results = {}
     for name in names:
         if name not in paths:
