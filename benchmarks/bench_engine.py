@@ -185,7 +185,7 @@ def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> di
             eng.cache.truncate(n_prompt)
             eng.forward(prompt[:k], n_prompt, logits="all")
         step()
-        times[k] = best_of(step, max(repeat, 3))
+        times[k] = best_of(step, max(repeat, 5))
     weight_bytes = decode_weight_bytes(eng)
     return {
         "prefill_tps": n_prompt / t_prefill,

@@ -19,12 +19,13 @@ LLAMA = RefConfig("llama", n_vocab=300, n_embd=256, n_layer=2, n_head=4, n_head_
 N = 72
 TOKENS = np.random.default_rng(11).integers(0, 300, N)
 
-# (architecture, weight format, int8 path, cache type)
+# (architecture, weight format, int8 path, cache type, threads): the tiny test models would run
+# single-threaded (Transformer.single_thread); "par" forces the parallel kernels on all threads.
 SETUPS = [
-    ("qwen3", "Q8_0", False, "f32"),
-    ("qwen3", "IQ4_NL", True, "f32"),  # a format with ggml's int8-activation path
-    ("llama", "Q4_K", False, "f16"),
-    ("llama", "F16", False, "f32"),
+    ("qwen3", "Q8_0", False, "f32", "par"),
+    ("qwen3", "IQ4_NL", True, "f32", "par"),  # a format with ggml's int8-activation path
+    ("llama", "Q4_K", False, "f16", "one"),
+    ("llama", "F16", False, "f32", "par"),
 ]
 INT8_FORMATS = [n for n, f in formats.FORMATS.items() if f.has_int8_matmul]
 
@@ -34,7 +35,7 @@ def model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("bitexact")
 
 
-def _engine(model_dir, arch, fmt, int8, cache_type, **kw):
+def _engine(model_dir, arch, fmt, int8, cache_type, threads="one", **kw):
     cfg = CFG if arch == "qwen3" else LLAMA
     path = model_dir / f"{arch}-{fmt}.gguf"
     if not path.exists():
@@ -42,6 +43,8 @@ def _engine(model_dir, arch, fmt, int8, cache_type, **kw):
     eng = Engine(path, exact=not int8, int8="all", cache_type=cache_type, **kw)
     if int8:
         assert all(lin.int8 for lin in eng.weights.linears())
+    assert eng.model.single_thread  # small: one thread by default
+    eng.model.single_thread = threads == "one"
     return eng
 
 
@@ -71,6 +74,7 @@ def test_prefill_chunks_do_not_matter(model_dir, setup):
     for chunk in (1, 5, 17):
         other = Transformer(eng.hparams, eng.weights, n_ctx=eng.n_ctx, cache_type=eng.model.cache_type,
                             chunk=chunk)
+        other.single_thread = not other.single_thread  # and the other threading
         res = other.forward(TOKENS, 0, hidden_layers=(1,), want_final_hidden=True)
         np.testing.assert_array_equal(res.logits, single, err_msg=f"chunk={chunk}")
         np.testing.assert_array_equal(res.hidden[1], whole.hidden[1])
