@@ -9,6 +9,7 @@ Errors are raised as ds4tools.errors classes (the CLI prints them and exits with
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..errors import UsageError, about
@@ -55,6 +56,9 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
                 out.flush()
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     st = engine.last_stats
     if as_json:
         doc = {"model": engine.path, "text": "".join(pieces), "tokens": ids, "stats": st.as_dict()}
