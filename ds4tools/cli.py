@@ -10,7 +10,7 @@ import sys
 import click
 
 from . import __version__
-from .errors import Ds4Error
+from .errors import Ds4Error, UsageError
 
 
 @contextlib.contextmanager
@@ -39,8 +39,9 @@ def main():
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", "out", type=click.Path(), metavar="OUT.gguf",
               help="Output GGUF (required unless --dry-run).")
-@click.option("--type", "type_", required=True, metavar="TYPE",
-              help="A llama.cpp mix (Q4_K_M, Q8_0, Q2_K, IQ2_XXS...) or any tensor type.")
+@click.option("--type", "type_", metavar="TYPE",
+              help="A llama.cpp mix (Q4_K_M, Q8_0, Q2_K, IQ2_XXS...) or any tensor type "
+                   "(required; Q8_0 by default with --dspark-out).")
 @click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
               help="Type for tensors whose name matches REGEX (partial match, first wins).")
 @click.option("--output-tensor-type", metavar="TYPE", help="Type of output.weight.")
@@ -52,17 +53,56 @@ def main():
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dry-run", is_flag=True, help="Print the per-tensor plan; write nothing.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--keep-nextn", is_flag=True,
+              help="Embed the checkpoint's NextN layer in OUT (blk.L.nextn.*), as llama.cpp does for GLM/DeepSeek.")
+@click.option("--mtp-out", type=click.Path(), metavar="MTP.gguf",
+              help="Also write the MTP support GGUF from the source's NextN layer.")
+@click.option("--only-support", is_flag=True, help="Write only the support file (no -o).")
+@click.option("--dspark-out", type=click.Path(), metavar="DRAFT.gguf",
+              help="Write the DSpark draft of the DSpark checkpoint SRC (needs --target).")
+@click.option("--target", metavar="TARGET",
+              help="The target model (Hugging Face directory or GGUF) of --dspark-out.")
+@click.option("--layout", type=click.Choice(["llama.cpp", "ds4"]),
+              help="DSpark draft layout (default: llama.cpp for qwen3/llama, ds4 for DeepSeek V4).")
+@click.option("--dspark-block-size", type=int, metavar="N", help="Block size (at most the trained one).")
+@click.option("--dspark-target-layers", metavar="A,B,C",
+              help="Target layers whose outputs feed the draft (default: the checkpoint's).")
+@click.option("--dspark-markov-rank", type=int, metavar="R", help="Markov rank (checked against the checkpoint).")
+@click.option("--dspark-noise-token-id", type=int, metavar="ID", help="Mask/noise token id.")
 def quantize(src, out, type_, tensor_types, output_tensor_type, token_embedding_type, pure,
-             imatrix, threads, device, dry_run, overwrite):
-    """Quantize a GGUF, or convert a Hugging Face directory, to OUT.gguf."""
+             imatrix, threads, device, dry_run, overwrite, keep_nextn, mtp_out, only_support,
+             dspark_out, target, layout, dspark_block_size, dspark_target_layers,
+             dspark_markov_rank, dspark_noise_token_id):
+    """Quantize a GGUF, or convert a Hugging Face directory, to OUT.gguf (and support GGUFs:
+    --mtp-out, --dspark-out)."""
     from .quantize import QuantizeOptions, quantize_model
-    opts = QuantizeOptions(type_, pure=pure, output_tensor_type=output_tensor_type,
-                           token_embedding_type=token_embedding_type,
-                           tensor_types=list(tensor_types), imatrix=imatrix, threads=threads,
-                           device=device, dry_run=dry_run, overwrite=overwrite)
     with _reported_errors():
+        if type_ is None:
+            if not dspark_out:
+                raise UsageError("missing option --type TYPE")
+            type_ = "Q8_0"
+        opts = QuantizeOptions(type_, pure=pure, output_tensor_type=output_tensor_type,
+                               token_embedding_type=token_embedding_type,
+                               tensor_types=list(tensor_types), imatrix=imatrix, threads=threads,
+                               device=device, dry_run=dry_run, overwrite=overwrite,
+                               keep_nextn=keep_nextn, mtp_out=mtp_out, only_support=only_support,
+                               dspark_out=dspark_out, target=target, layout=layout,
+                               dspark_block_size=dspark_block_size,
+                               dspark_target_layers=_int_list(dspark_target_layers,
+                                                              "--dspark-target-layers"),
+                               dspark_markov_rank=dspark_markov_rank,
+                               dspark_noise_token_id=dspark_noise_token_id)
         result = quantize_model(src, out, opts, report=lambda msg: click.echo(msg, err=True))
     click.echo(result.summary)
+
+
+def _int_list(text, option: str):
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option} {text!r}: expected comma-separated integers") from None
 
 
 @main.command("inspect")
@@ -70,11 +110,13 @@ def quantize(src, out, type_, tensor_types, output_tensor_type, token_embedding_
 @click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/cli.md).")
 @click.option("--tensors", is_flag=True, help="Add the tensor table and totals by type.")
 @click.option("--keys", metavar="PATTERN", help="Only metadata keys matching this regex.")
-def inspect_cmd(file, as_json, tensors, keys):
+@click.option("--target", metavar="MODEL",
+              help="Check a support GGUF against its target model (GGUF or Hugging Face directory).")
+def inspect_cmd(file, as_json, tensors, keys, target):
     """Describe and validate a GGUF file (a split set is read from any of its shards)."""
     from .inspect import inspect_file, render_text
     with _reported_errors():
-        doc = inspect_file(file, tensors=tensors, keys=keys)
+        doc = inspect_file(file, tensors=tensors, keys=keys, target=target)
     click.echo(json.dumps(doc, indent=2, ensure_ascii=False) if as_json else render_text(doc))
     if not doc["valid"]:
         errors = [x["message"] for x in doc["findings"] if x["level"] == "error"]

@@ -14,8 +14,8 @@ from ds4tools.gguf_io import GGUFStreamWriter, open_gguf
 from ds4tools.inspect import SCHEMA, detect_kind, inspect_file, known_kinds, register_kind
 
 DOC_KEYS = {"schema", "file", "files", "file_size", "gguf_version", "alignment", "data_offset",
-            "architecture", "kind", "tensor_count", "key_count", "metadata", "tensors", "totals",
-            "findings", "valid"}
+            "architecture", "kind", "summary", "tensor_count", "key_count", "metadata", "tensors",
+            "totals", "findings", "valid"}
 
 
 def inspect(*args):

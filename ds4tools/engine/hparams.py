@@ -136,7 +136,8 @@ def hparams_from_metadata(meta: dict, n_vocab_tensor: int | None = None) -> HPar
                            f"{k('attention.head_count_kv')} ({n_head_kv})")
     if n_embd % n_head and k("attention.key_length") not in meta:
         raise HParamsError(f"{k('embedding_length')} ({n_embd}) is not a multiple of "
-                           f"{k('attention.head_count')} ({n_head}) and there is no {k('attention.key_length')}")
+                           f"{k('attention.head_count')} ({n_head}) and there is no "
+                           f"{k('attention.key_length')}")
     head_dim = _positive(k("attention.key_length"),
                          _get(meta, k("attention.key_length"), int, default=n_embd // n_head, required=False))
     head_dim_v = _positive(k("attention.value_length"),

@@ -187,7 +187,8 @@ class Transformer:
             raise ValueError(f"{start_pos + k} positions do not fit the context of {cache.n_ctx}")
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= self.hp.n_vocab:
-            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary (0..{self.hp.n_vocab - 1})")
+            raise ValueError(f"token id {lo if lo < 0 else hi} outside the vocabulary "
+                             f"(0..{self.hp.n_vocab - 1})")
         hidden_layers = tuple(sorted(set(int(i) for i in hidden_layers)))
         for i in hidden_layers:
             if not 0 <= i < self.hp.n_layer:

@@ -68,7 +68,7 @@ def _totals(f: GGUFFile) -> dict:
 
 
 def describe(f: GGUFFile, kind: str, findings: list[Finding], *, tensors: bool = False,
-             keys: str | None = None) -> dict:
+             keys: str | None = None, summary: list[str] | None = None) -> dict:
     """The whole report as plain data (what ``--json`` prints)."""
     pattern = None
     if keys is not None:
@@ -86,6 +86,7 @@ def describe(f: GGUFFile, kind: str, findings: list[Finding], *, tensors: bool =
         "data_offset": f.shards[0].data_offset,
         "architecture": f.architecture,
         "kind": kind,
+        "summary": list(summary or []),
         "tensor_count": len(f.tensors),
         "key_count": len(f.metadata),
         "metadata": _metadata(f, pattern),
@@ -109,7 +110,7 @@ def describe_unopenable(path: str, findings: list[str]) -> dict:
     return {
         "schema": SCHEMA, "file": path, "files": [path], "file_size": None, "gguf_version": None,
         "alignment": None, "data_offset": None, "architecture": None, "kind": None,
-        "tensor_count": None, "key_count": None, "metadata": {}, "tensors": None, "totals": None,
+        "summary": [], "tensor_count": None, "key_count": None, "metadata": {}, "tensors": None, "totals": None,
         "findings": [{"level": "error", "message": m} for m in findings], "valid": False,
     }
 
@@ -155,6 +156,7 @@ def render_text(doc: dict) -> str:
             f"data offset: {doc['data_offset']}",
             f"architecture: {doc['architecture'] or '(none)'}",
             f"kind: {doc['kind']}",
+            *doc["summary"],
             f"tensors: {doc['tensor_count']}, keys: {doc['key_count']}",
         ]
         if doc["metadata"]:

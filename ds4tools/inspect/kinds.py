@@ -15,7 +15,8 @@ from typing import Callable
 
 from ..gguf_io import GGUFFile
 
-__all__ = ["KindDetector", "register_kind", "detect_kind", "known_kinds", "UNKNOWN"]
+__all__ = ["KindDetector", "register_kind", "detect_kind", "known_kinds", "UNKNOWN",
+           "register_summary", "summary_lines"]
 
 UNKNOWN = "unknown"
 
@@ -50,6 +51,22 @@ def detect_kind(f: GGUFFile) -> str:
 
 def known_kinds() -> list[KindDetector]:
     return list(_DETECTORS)
+
+
+_SUMMARIES: dict[str, Callable[[GGUFFile], list[str]]] = {}
+
+
+def register_summary(kind: str):
+    """Decorator: lines describing a file of ``kind`` (shown under its kind by inspect)."""
+    def add(func: Callable[[GGUFFile], list[str]]):
+        _SUMMARIES[kind] = func
+        return func
+    return add
+
+
+def summary_lines(f: GGUFFile, kind: str) -> list[str]:
+    func = _SUMMARIES.get(kind)
+    return list(func(f)) if func is not None else []
 
 
 @register_kind("imatrix", order=10, description="llama.cpp importance matrix")

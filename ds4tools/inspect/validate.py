@@ -12,7 +12,7 @@ from gguf import GGUFValueType as V
 
 from ..gguf_io import GGUFFile
 
-__all__ = ["Finding", "validate", "register_check", "ARCH_RULES"]
+__all__ = ["Finding", "validate", "register_check", "register_target_check", "ARCH_RULES"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,28 @@ def register_check(kind: str):
     return add
 
 
-def validate(f: GGUFFile, kind: str) -> list[Finding]:
+_TARGET_CHECKS: dict[str, list[Callable[[GGUFFile, str], list[Finding]]]] = {}
+
+
+def register_target_check(kind: str):
+    """Decorator: a check of a file of ``kind`` against the model given with ``--target``
+    (``"*"``: for kinds without one of their own)."""
+    def add(func):
+        _TARGET_CHECKS.setdefault(kind, []).append(func)
+        return func
+    return add
+
+
+def validate(f: GGUFFile, kind: str, target: str | None = None) -> list[Finding]:
     out: list[Finding] = []
     for check in _CHECKS.get("*", []) + _CHECKS.get(kind, []):
         out.extend(check(f))
+    if target is not None:
+        checks = _TARGET_CHECKS.get(kind) or _TARGET_CHECKS.get("*", [])
+        if not checks:
+            out.append(error(f"--target applies to support GGUFs; this file is kind '{kind}'"))
+        for check in checks:
+            out.extend(check(f, target))
     return out
 
 

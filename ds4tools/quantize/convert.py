@@ -3,7 +3,9 @@
 tokenizer, and for llama the q/k row order llama.cpp's rotary embedding expects.
 
 Weights stay on disk until the quantizer asks for one tensor. NextN/MTP layers (config key
-``num_nextn_predict_layers``) are left out here; the MTP support GGUF carries them.
+``num_nextn_predict_layers``) are left out (the MTP support GGUF carries them), unless
+``keep_nextn``: then they are embedded the way llama.cpp does for GLM / DeepSeek
+(``blk.L.nextn.*`` plus the block's ordinary tensors, ``{arch}.nextn_predict_layers``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .hf import HFCheckpoint, HFTensor
 from .source import Hparams, ModelSource, SourceTensor
 from .tokenizer import MetaKey, tokenizer_metadata
 
-__all__ = ["HFSource", "ARCHITECTURES", "interleave_rope_rows", "llama3_rope_factors"]
+__all__ = ["HFSource", "ARCHITECTURES", "NEXTN_NAMES", "interleave_rope_rows", "llama3_rope_factors"]
 
 #: HF architecture -> (llama.cpp architecture, gguf MODEL_ARCH, whether q/k rows are reordered)
 ARCHITECTURES = {
@@ -29,6 +31,12 @@ ARCHITECTURES = {
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by llama.cpp, never stored
+#: NextN-only Hugging Face names (under model.layers.L.) -> llama.cpp's blk.L.nextn.<part>
+NEXTN_NAMES = {
+    "eh_proj.weight": "eh_proj", "enorm.weight": "enorm", "hnorm.weight": "hnorm",
+    "shared_head.norm.weight": "shared_head_norm", "shared_head.head.weight": "shared_head_head",
+    "embed_tokens.weight": "embed_tokens",
+}
 
 
 def interleave_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -67,7 +75,7 @@ def _num(cfg: dict, key: str, where: str, default=None):
 
 
 class HFSource(ModelSource):
-    def __init__(self, folder, report=lambda msg: None):
+    def __init__(self, folder, report=lambda msg: None, keep_nextn: bool = False):
         ckpt = HFCheckpoint(folder)
         cfg, where = ckpt.config, ckpt.file("config.json")
         archs = cfg.get("architectures") or []
@@ -86,19 +94,30 @@ class HFSource(ModelSource):
         n_nextn = int(cfg.get("num_nextn_predict_layers") or 0)
         tied = bool(cfg.get("tie_word_embeddings", False))
 
-        name_map = gguf.get_tensor_name_map(model_arch, n_layer)
+        if keep_nextn and not n_nextn:
+            raise InvalidContentError(about(where, "--keep-nextn: the checkpoint has no NextN layer "
+                                                   "(no num_nextn_predict_layers)"))
+        n_blocks = n_layer + n_nextn if keep_nextn else n_layer
+        name_map = gguf.get_tensor_name_map(model_arch, n_blocks)
         tensors, skipped_nextn = [], []
         for hf_name, t in ckpt.tensors.items():
             if hf_name.endswith(_SKIPPED_SUFFIXES):
                 continue
             m = _LAYER.match(hf_name)
             if m and int(m.group(1)) >= n_layer:
-                if int(m.group(1)) < n_layer + n_nextn:
+                if int(m.group(1)) >= n_layer + n_nextn:
+                    raise InvalidContentError(about(
+                        t.path, f"tensor '{hf_name}' is in layer {m.group(1)}, but config.json has "
+                                f"{n_layer} layers and {n_nextn} NextN layers"))
+                if not keep_nextn:
                     skipped_nextn.append(hf_name)
                     continue
-                raise InvalidContentError(about(
-                    t.path, f"tensor '{hf_name}' is in layer {m.group(1)}, but config.json has "
-                            f"{n_layer} layers and {n_nextn} NextN layers"))
+                part = NEXTN_NAMES.get(hf_name[m.end():])
+                if part is not None:  # llama.cpp's embedded NextN naming
+                    tensors.append(SourceTensor(f"blk.{m.group(1)}.nextn.{part}.weight", t.shape,
+                                                t.dtype, t.n_bytes, t.load_float32))
+                    continue
+                # the NextN block's ordinary tensors keep their blk.L.* names (mapped below)
             if hf_name == "lm_head.weight" and tied:
                 continue  # tied to the embedding: llama.cpp reuses token_embd
             name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -112,8 +131,10 @@ class HFSource(ModelSource):
                    f"the MTP support GGUF carries them")
 
         theta = float(cfg.get("rope_theta") or 10000.0)
-        keys = self._hparam_keys(cfg, where, os.path.basename(ckpt.folder), arch, n_layer,
+        keys = self._hparam_keys(cfg, where, os.path.basename(ckpt.folder), arch, n_blocks,
                                  n_embd, n_head, n_head_kv, head_dim, n_vocab, theta)
+        if keep_nextn:
+            keys.append(MetaKey(f"{arch}.nextn_predict_layers", n_nextn, V.UINT32))
         scaling = cfg.get("rope_scaling") or {}
         kind = (scaling.get("rope_type") or scaling.get("type") or "").lower() if scaling else ""
         if kind == "llama3":
@@ -125,7 +146,7 @@ class HFSource(ModelSource):
         self._check_embedding(tensors, n_vocab, n_embd, ckpt.folder)
         tensors.sort(key=_layout_order)
         super().__init__(path=ckpt.folder, kind="hf", arch=arch, metadata=keys, tensors=tensors,
-                         hparams=Hparams(n_layer, n_head, n_head_kv, 0), paths=ckpt.paths)
+                         hparams=Hparams(n_blocks, n_head, n_head_kv, 0), paths=ckpt.paths)
         self.checkpoint = ckpt
 
     @staticmethod

@@ -18,7 +18,10 @@ __all__ = ["HFCheckpoint", "HFTensor", "is_hf_dir"]
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
+           "BOOL": np.bool_,
+           # DeepSeek V4's FP8 weights and E8M0 scales: one byte each, decoded by
+           # ds4tools.support.fp8 (load_raw), never by load_float32
+           "F8_E4M3": np.uint8, "F8_E8M0": np.uint8}
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 
 
@@ -30,6 +33,12 @@ class HFTensor:
     path: str
     start: int  # absolute byte offset in ``path``
     n_bytes: int
+
+    def load_raw(self) -> np.ndarray:
+        """The stored values in their storage dtype (one byte per value for F8_*; BF16 as
+        uint16), memory-mapped, in the tensor's shape."""
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.start, shape=(self.n_bytes,))
+        return mm.view(_DTYPES[self.dtype]).reshape(self.shape)
 
     def load_float32(self) -> np.ndarray:
         if self.dtype not in ("F32", "F16", "BF16", "F64"):

@@ -41,11 +41,24 @@ class QuantizeOptions:
     overwrite: bool = False
     #: the tqdm bar: True / False, or None to show it only on a terminal
     progress: bool | None = None
+    #: HF conversion: embed the NextN layers as llama.cpp does for GLM / DeepSeek
+    keep_nextn: bool = False
+    # support GGUFs (ds4tools.support): the MTP head from the source's NextN layer ...
+    mtp_out: str | None = None
+    only_support: bool = False
+    # ... or a DSpark draft from a DSpark checkpoint (SRC), for the model TARGET
+    dspark_out: str | None = None
+    target: str | None = None
+    layout: str | None = None  # "llama.cpp" or "ds4" (default: by the target's family)
+    dspark_block_size: int | None = None
+    dspark_target_layers: list[int] | None = None
+    dspark_markov_rank: int | None = None
+    dspark_noise_token_id: int | None = None
 
 
 @dataclass
 class QuantizeResult:
-    plan: Plan
+    plan: Plan | None  # None for a run that wrote support files only
     output: str | None
     seconds: float
     summary: str
@@ -68,12 +81,23 @@ def load_imatrix_file(path: str):
 
 
 def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> QuantizeResult:
-    """Quantize (or convert) ``src`` to ``out``; ``report`` receives warnings and notes."""
-    start = time.perf_counter()
+    """Quantize (or convert) ``src`` to ``out``; ``report`` receives warnings and notes.
+
+    With ``mtp_out`` / ``dspark_out`` the support GGUFs are written too (ds4tools.support);
+    the summary then has one line per file written."""
+    from ..support.commands import quantize_support, wants_support
+    if wants_support(options):
+        start = time.perf_counter()
+        _check_run_options(options)
+        lines = quantize_support(src, out, options, report, _quantize_model)
+        return QuantizeResult(None, os.fspath(out) if out else None,
+                              time.perf_counter() - start, "\n".join(lines))
+    return _quantize_model(src, out, options, report)
+
+
+def _check_run_options(options: QuantizeOptions) -> None:
     if options.device not in formats.DEVICES:
         raise UsageError(f"--device {options.device}: use one of {', '.join(formats.DEVICES)}")
-    if out is None and not options.dry_run:
-        raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run")
     if options.threads is not None:
         _set_threads(options.threads)
     if options.device == "cuda":
@@ -81,7 +105,16 @@ def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quanti
             formats._check_device("cuda")
         except ValueError as e:
             raise UsageError(f"--device cuda: {e}") from None
-    source = open_source(src, report)
+
+
+def _quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> QuantizeResult:
+    start = time.perf_counter()
+    if options.device not in formats.DEVICES:
+        raise UsageError(f"--device {options.device}: use one of {', '.join(formats.DEVICES)}")
+    if out is None and not options.dry_run:
+        raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run")
+    _check_run_options(options)
+    source = open_source(src, report, keep_nextn=options.keep_nextn)
     imatrix = load_imatrix_file(options.imatrix) if options.imatrix else None
     plan = build_plan(source, options.type, pure=options.pure,
                       output_type=options.output_tensor_type,

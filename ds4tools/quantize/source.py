@@ -102,10 +102,11 @@ class GGUFSource(ModelSource):
             self.notes.append(f"warning: {f.path}: no general.architecture; writing 'llama'")
 
 
-def open_source(path, report=lambda msg: None) -> ModelSource:
-    """A GGUF file (or split set) or a Hugging Face model directory."""
+def open_source(path, report=lambda msg: None, keep_nextn: bool = False) -> ModelSource:
+    """A GGUF file (or split set) or a Hugging Face model directory (``keep_nextn``: with its
+    NextN layers embedded, as llama.cpp does for GLM / DeepSeek)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         from .convert import HFSource
-        return HFSource(path, report=report)
+        return HFSource(path, report=report, keep_nextn=keep_nextn)
     return GGUFSource(open_gguf(path))
