@@ -24,7 +24,8 @@ def _findings(problems) -> list[Finding]:
 
 
 def _register(kind: str, description: str) -> None:
-    register_kind(kind, order=20, description=description)(lambda f: detect(f).kind == kind)
+    # after vocab-only (support files always have tensors), before the generic model
+    register_kind(kind, order=85, description=description)(lambda f: detect(f).kind == kind)
     register_check(kind)(lambda f: _findings(validate_support(f, kind)))
     register_summary(kind)(lambda f: summary_lines(f, kind))
 
