@@ -31,7 +31,9 @@ def accept_sampled(p: np.ndarray, drafts, q: np.ndarray | None, rng: np.random.G
                    ) -> tuple[int, int]:
     """Rejection sampling (lossless at any temperature).
 
-    ``p``: (n + 1, n_vocab) target distributions (Sampler.distribution of each verify row);
+    ``p``: (n + 1, n_vocab) target distributions (Sampler.distribution of each verify row),
+    or any object whose ``p[i]`` gives row i (``LazyRows``: rows past the first rejection are
+    never computed);
     ``q``: (n, n_vocab) the distributions the drafts were drawn from, or None for one-hot
     drafts. Draft d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first
     rejection the next token is drawn from norm(max(0, p_i - q_i)); if all are kept, from
@@ -39,17 +41,30 @@ def accept_sampled(p: np.ndarray, drafts, q: np.ndarray | None, rng: np.random.G
     n = len(drafts)
     for i in range(n):
         d = int(drafts[i])
+        pi = p[i]
         qd = 1.0 if q is None else float(q[i, d])
-        pd = float(p[i, d])
+        pd = float(pi[d])
         if qd <= 0.0:
             raise ValueError(f"draft {i + 1} (token {d}) has zero probability under its own q")
         if rng.random() * qd < pd:  # u < p/q without dividing; always true when p >= q
             continue
         if q is None:
-            residual = p[i].copy()
+            residual = pi.copy()
             residual[d] = 0.0
         else:
-            residual = np.maximum(p[i] - q[i], 0.0)
+            residual = np.maximum(pi - q[i], 0.0)
         total = residual.sum()
-        return i, draw(residual if total > RESIDUAL_EPS else p[i], rng)
+        return i, draw(residual if total > RESIDUAL_EPS else pi, rng)
     return n, draw(p[n], rng)
+
+
+class LazyRows:
+    """Row i = fn(rows[i]), computed on first use and kept."""
+
+    def __init__(self, rows, fn):
+        self.rows, self.fn, self._done = rows, fn, {}
+
+    def __getitem__(self, i: int):
+        if i not in self._done:
+            self._done[i] = self.fn(self.rows[i])
+        return self._done[i]

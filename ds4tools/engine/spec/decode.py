@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from ..generate import GenerationStats
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import LazyRows, accept_greedy, accept_sampled
 from .drafter import Drafter, Proposal
 from .stats import SpecStats
 
@@ -100,7 +100,7 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
             if sampler.greedy:
                 m, nxt = accept_greedy(verify.logits, drafts)
             else:
-                p = np.stack([sampler.distribution(row) for row in verify.logits])
+                p = LazyRows(verify.logits, sampler.distribution)
                 m, nxt = accept_sampled(p, drafts, proposal.q, rng)
             if strict and m < len(drafts):
                 spec.strict_fallbacks += 1
