@@ -4,7 +4,7 @@ strict-mode rules."""
 import numpy as np
 import pytest
 
-from ds4tools.engine.generate import GenerationStats, decode
+from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
 from ds4tools.engine.spec import PromptLookupDrafter, SpecStats, speculative_decode
 from tests.spec_toys import ToyDrafter, ToyTarget
