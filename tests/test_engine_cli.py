@@ -130,7 +130,7 @@ def _bad_heads(path):
 
 @pytest.mark.parametrize("make, code, message", [
     (lambda p: _arch_model(p, "bloom"), 1, "unsupported architecture 'bloom' (the engine runs: llama, qwen3)"),
-    (_imatrix, 1, "is an imatrix file, not a model"),
+    (_imatrix, 1, "is not a model but a file of kind 'imatrix'"),
     (lambda p: _drop_tensor(p, "blk.1.ffn_up.weight"), 1, "missing tensor blk.1.ffn_up.weight"),
     (_bad_shape, 1, "tensor blk.0.attn_k.weight has shape (64, 64) (numpy order), expected (32, 64)"),
     (_bad_heads, 1, "qwen3.attention.head_count (4) is not a multiple of qwen3.attention.head_count_kv (3)"),
@@ -202,3 +202,13 @@ def test_engine_is_exposed_lazily():
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ds4tools.engine.api"
+
+
+def test_support_file_given_as_the_model(hf_qwen3_nextn, tmp_path):
+    from ds4tools.quantize import QuantizeOptions, quantize_model
+    mtp = tmp_path / "mtp.gguf"
+    quantize_model(hf_qwen3_nextn, None, QuantizeOptions("Q8_0", mtp_out=str(mtp), only_support=True,
+                                                          progress=False), report=lambda m: None)
+    code, out, err = run("-m", mtp, "-p", PROMPT)
+    assert code == 1 and out == ""
+    assert err == f"ds4tools: {mtp}: is not a model but a file of kind 'mtp-support' (see `ds4tools inspect`)\n"

@@ -52,8 +52,7 @@ def _not_a_model(f) -> str | None:
     if kind != "model":
         if kind == "unknown":
             return "holds no model (no tensors or no general.architecture)"
-        article = "an" if kind[:1] in "aeiou" else "a"
-        return f"is {article} {kind} file, not a model; give the target model with -m"
+        return f"is not a model but a file of kind '{kind}' (see `ds4tools inspect`)"
     if f.architecture not in SUPPORTED_ARCHITECTURES:
         return (f"unsupported architecture {f.architecture!r} "
                 f"(the engine runs: {', '.join(SUPPORTED_ARCHITECTURES)})")
