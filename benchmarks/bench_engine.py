@@ -283,12 +283,19 @@ def main() -> None:
     def log(msg):
         print(msg, flush=True)
 
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        run(args, args.dir, log)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-engine-") as folder:  # ~1.3 GB of GGUFs
+            run(args, folder, log)
+
+
+def run(args, folder, log) -> None:
     from ds4tools.engine import Engine, set_threads
     set_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     cfg = QUICK if args.quick else FULL
-    folder = args.dir or tempfile.mkdtemp(prefix="bench-engine-")
-    os.makedirs(folder, exist_ok=True)
     paths = prepare_models(folder, cfg, names, log)
 
     bw = memcpy_bandwidth(1 << 28 if args.quick else 1 << 30)
