@@ -203,7 +203,8 @@ def test_all_defects_reported_together_exit_1(v4, tmp_path):
     lines = r.stdout.splitlines()
     for want in ("error: DSpark metadata error: block size exceeds runtime limit",
                  "error: DSpark metadata error: missing or out-of-range noise token",
-                 "error: DSpark tensor mtp.0.main_proj.weight (main_proj) has type Q4_0, expected F16, F32, or Q8_0",
+                 "error: DSpark tensor mtp.0.main_proj.weight (main_proj) has type Q4_0, expected F16, "
+                 "F32, or Q8_0",
                  "error: DSpark routed gate/up experts use different quant types"):
         assert want in lines, want
     assert r.stderr.startswith(f"ds4tools: {bad}: DSpark metadata error: block size exceeds runtime limit")

@@ -63,7 +63,8 @@ def test_qwen3_mtp_names_shapes_keys_and_values(hf_qwen3_nextn, qwen3_pair):
     _, mtp_path = qwen3_pair
     f = open_gguf(mtp_path)
     cfg = json.loads((hf_qwen3_nextn / "config.json").read_text())
-    hd, nq, nkv, ff = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    hd, nq = cfg["head_dim"], cfg["num_attention_heads"]
+    nkv, ff = cfg["num_key_value_heads"], cfg["intermediate_size"]
     assert f.architecture == "qwen3-mtp"
     assert list(f.tensors) == [f"mtp.0.{n}.weight" for n in DENSE_NAMES]
     shapes = {n: tuple(t.ggml_shape) for n, t in f.tensors.items()}

@@ -24,6 +24,7 @@ from ..quantize.mixes import Target
 from ..quantize.tokenizer import MetaKey, tokenizer_metadata
 from . import dspark_ds4, dspark_llamacpp, mtp, nextn
 from .hf_dspark import LAYER_NAMES, DeepSpecDraft
+from .dsv4_block import HF_BLOCK_NAMES, HF_EXPERT_PROJ
 from .hf_dsv4 import DSV4Checkpoint
 from .layout import TensorSpec
 from .target import Dims, TargetInfo, _gguf_dims, hf_dims
@@ -81,9 +82,9 @@ def mtp_from_hf(folder, target: Target) -> Built:
     cfg, where = ckpt.config, ckpt.file("config.json")
     archs = [a for a in cfg.get("architectures") or [] if a in ARCHITECTURES]
     if not archs:
-        raise InvalidContentError(about(ckpt.folder, f"unsupported architecture "
-                                                     f"{', '.join(map(str, cfg.get('architectures') or [])) or '(none)'} "
-                                                     f"for an MTP support file"))
+        named = ", ".join(map(str, cfg.get("architectures") or [])) or "(none)"
+        raise InvalidContentError(about(ckpt.folder, f"unsupported architecture {named} for an "
+                                                     f"MTP support file"))
     arch, _, permute = ARCHITECTURES[archs[0]]
     n_nextn = int(cfg.get("num_nextn_predict_layers") or 0)
     dims = hf_dims(cfg)
@@ -137,6 +138,13 @@ def _name(folder: str, what: str) -> str:
     return f"{os.path.basename(os.path.normpath(folder))} {what}"
 
 
+def _hf_block_name(prefix: str, role: str) -> str:
+    """The checkpoint name of a DeepSeek V4 block tensor (for messages)."""
+    if role in HF_EXPERT_PROJ:
+        return f"{prefix}ffn.experts.*.{HF_EXPERT_PROJ[role]}.weight"
+    return prefix + HF_BLOCK_NAMES[role]
+
+
 def mtp_from_dsv4(folder, target: Target) -> Built:
     """ds4's MTP support file from the ``mtp.0.*`` layer of a DeepSeek V4 checkpoint."""
     ck = DSV4Checkpoint(folder)
@@ -152,7 +160,7 @@ def mtp_from_dsv4(folder, target: Target) -> Built:
             name = p + s.role + ".weight"
             src = ck.named_source(name)
         else:
-            name = p + s.role
+            name = _hf_block_name(p, s.role)
             src = ck.block_source(p, s.role)
         tensors.append(_out(s, target, src, ck.folder, name))
     target_arch = "deepseek41" if any("V41" in str(a) for a in ck.config.get("architectures") or []) \
@@ -215,7 +223,8 @@ def _draft_values(opts: DSparkOptions, trained_block: int | None, layers, noise,
     if opts.noise_token_id is not None:
         noise = opts.noise_token_id
     if noise is None:
-        raise UsageError(about(where, "the checkpoint gives no mask/noise token: pass --dspark-noise-token-id"))
+        raise UsageError(about(where, "the checkpoint gives no mask/noise token: pass "
+                                      "--dspark-noise-token-id"))
     if n_vocab is not None and not 0 <= noise < n_vocab:
         raise UsageError(f"noise token {noise} is outside the target's {n_vocab} tokens")
     return int(block), [int(x) for x in layers], int(noise)
@@ -381,7 +390,7 @@ def dspark_support_from_dsv4(folder, target_info: TargetInfo, target: Target, op
         elif s.role == "confidence_proj":
             name, src = conf_name, ck.named_source(conf_name)
         else:
-            name, src = prefix + s.role, ck.block_source(prefix, s.role)
+            name, src = _hf_block_name(prefix, s.role), ck.block_source(prefix, s.role)
         tensors.append(_out(s, target, src, where, name))
     keys = dspark_ds4.metadata_keys(arch, block, rank, noise, layers, d, _name(folder, "DSpark"))
     return Built(arch, keys, tensors, ck.paths)

@@ -66,6 +66,10 @@ class Summary:
         stages = [_stage(n) for n in f.tensors]
         stages = [s for s in stages if s is not None]
         self.stages = max(stages) + 1 if stages else 0
+        self.stages_present = sorted(set(stages))
+        #: the stages to check: 0..stages-1, unless stage numbers skip (a lying name such as
+        #: mtp.1000000.x must not make the validator walk a million stages)
+        self.stages_checked = min(self.stages, len(self.stages_present))
         names = list(f.tensors)
         self.has_main_proj = any(".main_proj." in n for n in names if _stage(n) is not None)
         self.has_main_norm = any(".main_norm." in n for n in names if _stage(n) is not None)
@@ -228,8 +232,11 @@ def validate(f, target: TargetInfo | None = None) -> Problems:
         _pair(out, f, target)
     for msg in _metadata_errors(s, d.n_vocab, d.n_layer):
         out.error(f"DSpark metadata error: {msg}")
+    if s.stages_checked < s.stages:
+        shown = ", ".join(map(str, s.stages_present[:8])) + ("..." if len(s.stages_present) > 8 else "")
+        out.error(f"the mtp.* stages are not numbered 0..{s.stages - 1}: the file has stage(s) {shown}")
     v41 = f.architecture == ARCH_V41
-    all_specs = specs(d, s.stages, len(s.target_layers or []), s.markov_rank or 0, not v41)
+    all_specs = specs(d, s.stages_checked, len(s.target_layers or []), s.markov_rank or 0, not v41)
     for spec in all_specs:
         for msg in check_tensor(spec, f.tensors.get(spec.name), DS4_DSPARK):
             out.error(msg)

@@ -31,7 +31,7 @@ from .layout import LLAMA_CPP, Kind, Problems, TensorSpec, check_tensor
 from .target import Dims, TargetInfo
 
 __all__ = ["ARCH", "ARCHS", "specs", "validate", "metadata_keys", "read_hparams", "DraftHparams",
-           "summary_lines", "to_llama_layers", "from_llama_layers"]
+           "summary_lines", "to_llama_layers", "from_llama_layers", "blocks_present"]
 
 ARCH = "dflash"
 ARCHS = ("dflash", "dspark")
@@ -217,6 +217,11 @@ def validate(f, target: TargetInfo | None = None) -> Problems:
     n_vocab = h.n_vocab
     if target is not None:
         _pair(out, h, target, arch)
+    blocks = blocks_present(f)
+    if h.n_layer is not None and h.n_layer > blocks:
+        out.error(f"{arch}.block_count is {h.n_layer}, but the file has tensors for {blocks} "
+                  f"block(s)")
+        h.n_layer = blocks  # check the blocks that are there, not a lying count
     all_specs = specs(h, n_embd_target, n_vocab)
     for spec in all_specs:
         for msg in check_tensor(spec, f.tensors.get(spec.name), LLAMA_CPP):
@@ -230,6 +235,12 @@ def validate(f, target: TargetInfo | None = None) -> Problems:
                   f"got {len(f.tensors)} (llama.cpp does not load {', '.join(extra[:3])}"
                   f"{'...' if len(extra) > 3 else ''})")
     return out
+
+
+def blocks_present(f) -> int:
+    ids = [int(n.split(".")[1]) for n in f.tensors
+           if n.startswith("blk.") and n.split(".")[1].isdigit()]
+    return max(ids) + 1 if ids else 0
 
 
 def _pair(out: Problems, h: DraftHparams, target: TargetInfo, arch: str) -> None:

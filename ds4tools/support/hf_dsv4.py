@@ -113,6 +113,8 @@ class DSV4Checkpoint:
         names = self.expert_names(prefix, role)
         if not names:
             raise InvalidContentError(about(self.folder, "config.json gives no routed expert count"))
+        for n in names:  # every expert must be there before anything is allocated
+            self._get(n)
         t = self._get(names[0])
         rows, cols = t.shape
         if t.dtype in _PACKED:

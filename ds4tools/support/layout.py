@@ -130,7 +130,8 @@ DS4_MTP = MessageStyle(
 #: ds4's DSpark validator (dspark_validate_tensor_layout)
 DS4_DSPARK = MessageStyle(
     missing=lambda s: f"DSpark tensor {s.name} ({s.role}) is missing",
-    wrong_type=lambda s, t: f"DSpark tensor {s.name} ({s.role}) has type {t.type_name}, expected {s.kind.label}",
+    wrong_type=lambda s, t: (f"DSpark tensor {s.name} ({s.role}) has type {t.type_name}, "
+                             f"expected {s.kind.label}"),
     wrong_ndim=lambda s, t: (f"DSpark tensor {s.name} ({s.role}) has {len(t.ggml_shape)} dimensions, "
                              f"expected {len(s.shape)}"),
     wrong_dim=lambda s, t, i: (f"DSpark tensor {s.name} ({s.role}) has dim[{i}]={t.ggml_shape[i]}, "

@@ -75,8 +75,9 @@ def validate(f) -> Problems:
     e = find(f)
     if e is None:
         return out
-    if e.n_nextn >= e.block_count:
-        out.error(f"{e.arch}.nextn_predict_layers is {e.n_nextn}, not less than block_count {e.block_count}")
+    if e.n_nextn >= e.block_count or e.n_nextn > len(f.tensors):
+        out.error(f"{e.arch}.nextn_predict_layers is {e.n_nextn}: more than the model's "
+                  f"{e.block_count} blocks / {len(f.tensors)} tensors can hold")
         return out
     n_embd = meta.integer(f, f"{e.arch}.embedding_length")
     tokens = f.metadata.get("tokenizer.ggml.tokens")

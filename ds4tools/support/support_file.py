@@ -107,7 +107,7 @@ def _hparams_mtp(f: GGUFFile):
 def _hparams_dspark(f: GGUFFile, target: TargetInfo | None):
     s = dspark_ds4.Summary(f)
     dims = dspark_ds4.expected_dims(f, s, target)
-    specs = dspark_ds4.specs(dims, s.stages, len(s.target_layers or []), s.markov_rank or 0,
+    specs = dspark_ds4.specs(dims, s.stages_checked, len(s.target_layers or []), s.markov_rank or 0,
                              f.architecture != dspark_ds4.ARCH_V41)
     return SupportHparams(DSPARK, "ds4", dims, target_arch=f.architecture, n_layer=s.stages,
                           block_size=s.block_size, markov_rank=s.markov_rank,
@@ -117,6 +117,7 @@ def _hparams_dspark(f: GGUFFile, target: TargetInfo | None):
 
 def _hparams_draft(f: GGUFFile, target: TargetInfo | None):
     h = dspark_llamacpp.DraftHparams(f)
+    h.n_layer = min(h.n_layer or 0, dspark_llamacpp.blocks_present(f))
     draft = Dims(n_embd=h.n_embd, n_vocab=h.n_vocab, n_layer=h.n_layer, n_head=h.n_head,
                  n_head_kv=h.n_head_kv, head_dim=h.head_dim, n_ff=h.n_ff, rope_base=h.rope_base,
                  rms_eps=h.rms_eps, context_length=h.context_length)

@@ -181,9 +181,10 @@ def open_target(path) -> TargetInfo:
         cfg = hf_config(path)
         archs = [a for a in (cfg.get("architectures") or []) if a in HF_ARCHITECTURES]
         if not archs:
+            named = ", ".join(map(str, cfg.get("architectures") or [])) or "(none)"
             raise InvalidContentError(about(
-                path, f"target architecture {', '.join(map(str, cfg.get('architectures') or [])) or '(none)'} "
-                      f"is not supported (supported: {', '.join(HF_ARCHITECTURES)})"))
+                path, f"target architecture {named} is not supported (supported: "
+                      f"{', '.join(HF_ARCHITECTURES)})"))
         dims = hf_dims(cfg)
         return TargetInfo(path, HF_ARCHITECTURES[archs[0]], dims, hf_folder=path,
                           nextn_layers=_cfg_int(cfg, "num_nextn_predict_layers") or 0)
