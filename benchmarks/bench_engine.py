@@ -270,7 +270,7 @@ def warm_start(threads, model=None) -> float | None:
     return times[-1]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
@@ -278,7 +278,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny synthetic models (smoke run)")
     ap.add_argument("--dir", help="where to keep the synthetic GGUFs (default: a temp dir)")
     ap.add_argument("--exact", action="store_true", help="float32 activations everywhere")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     def log(msg):
         print(msg, flush=True)
@@ -289,6 +289,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="bench-engine-") as folder:  # ~1.3 GB of GGUFs
             run(args, folder, log)
+    return 0
 
 
 def run(args, folder, log) -> None:
@@ -298,7 +299,7 @@ def run(args, folder, log) -> None:
     cfg = QUICK if args.quick else FULL
     paths = prepare_models(folder, cfg, names, log)
 
-    bw = memcpy_bandwidth(1 << 28 if args.quick else 1 << 30)
+    bw = memcpy_bandwidth(1 << 26 if args.quick else 1 << 30)
     log(f"numpy memory copy: {bw:.1f} GB/s (bytes read per second)   threads: {args.threads}   "
         f"load average: {' '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} cores")
     results = {}
@@ -334,4 +335,4 @@ def run(args, folder, log) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
