@@ -189,6 +189,17 @@ class Engine:
         for tok in decode(self.model, ids, max_tokens, sampler, rng, eog, stats):
             yield GeneratedToken(tok, text.feed(tok))
 
+    def close(self) -> None:
+        """Drop the engine's references to the memory-mapped file (the OS frees the pages once
+        nothing else holds them)."""
+        self.gguf.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         hp = self.hparams
         return (f"<Engine {self.path!r}: {hp.arch}, {hp.n_layer} layers, {hp.n_embd} wide, "
