@@ -190,9 +190,10 @@ class Engine:
             yield GeneratedToken(tok, text.feed(tok))
 
     def close(self) -> None:
-        """Drop the engine's references to the memory-mapped file (the OS frees the pages once
-        nothing else holds them)."""
+        """Release the model: the weights (views of the memory-mapped file) and the cache.
+        The engine cannot run afterwards."""
         self.gguf.close()
+        self.model = self.weights = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -202,5 +203,7 @@ class Engine:
 
     def __repr__(self) -> str:
         hp = self.hparams
+        if self.model is None:
+            return f"<Engine {self.path!r}: closed>"
         return (f"<Engine {self.path!r}: {hp.arch}, {hp.n_layer} layers, {hp.n_embd} wide, "
                 f"ctx {self.n_ctx}, {'exact' if self.exact else 'int8: ' + self.int8_mode}>")
