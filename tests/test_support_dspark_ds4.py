@@ -21,6 +21,12 @@ def cli(*args):
     return r
 
 
+def cli_errors(path, *extra):
+    """(exit code, the error lines) of `ds4tools inspect PATH`."""
+    r = cli("inspect", path, *extra)
+    return r.exit_code, [x[len("error: "):] for x in r.stdout.splitlines() if x.startswith("error: ")]
+
+
 def errors(path, target=None):
     doc = inspect_file(str(path), target=None if target is None else str(target))
     return [x["message"] for x in doc["findings"] if x["level"] == "error"]
@@ -165,7 +171,7 @@ M = "DSpark metadata error: "
 ])
 def test_metadata_messages(v4, tmp_path, case, change, want):
     bad = rewrite_gguf(v4["path"], tmp_path / f"{case}.gguf", **change)
-    assert errors(bad) == want
+    assert cli_errors(bad) == (1 if want else 0, want)
 
 
 R = "DSpark tensor "
@@ -191,7 +197,7 @@ R = "DSpark tensor "
 ])
 def test_tensor_messages(v4, tmp_path, case, change, want):
     bad = rewrite_gguf(v4["path"], tmp_path / f"{case}.gguf", **change)
-    assert errors(bad) == want
+    assert cli_errors(bad) == (1, want)
 
 
 def test_all_defects_reported_together_exit_1(v4, tmp_path):

@@ -24,6 +24,12 @@ def cli(*args):
     return r
 
 
+def cli_errors(path, *extra):
+    """(exit code, the error lines) of `ds4tools inspect PATH`."""
+    r = cli("inspect", path, *extra)
+    return r.exit_code, [x[len("error: "):] for x in r.stdout.splitlines() if x.startswith("error: ")]
+
+
 def errors(path, target=None):
     doc = inspect_file(str(path), target=None if target is None else str(target))
     return [x["message"] for x in doc["findings"] if x["level"] == "error"]
@@ -144,7 +150,7 @@ def test_gguf_target_and_the_dspark_architecture_name(draft, gguf_qwen3_f32, tmp
 ])
 def test_llama_cpp_messages(draft, tmp_path, case, change, want):
     bad = rewrite_gguf(draft["path"], tmp_path / f"{case}.gguf", **change)
-    assert errors(bad) == want
+    assert cli_errors(bad) == (1, want)
 
 
 def test_several_defects_and_mismatched_targets(draft, hf_llama, tmp_path):

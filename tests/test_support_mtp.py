@@ -37,6 +37,12 @@ def cli(*args):
     return r
 
 
+def cli_errors(path, *extra):
+    """(exit code, the error lines) of `ds4tools inspect PATH`."""
+    r = cli("inspect", path, *extra)
+    return r.exit_code, [x[len("error: "):] for x in r.stdout.splitlines() if x.startswith("error: ")]
+
+
 @pytest.fixture(scope="module")
 def qwen3_pair(hf_qwen3_nextn, tmp_path_factory):
     """(target GGUF, MTP GGUF) written by one quantize run with --mtp-out."""
@@ -165,8 +171,8 @@ def test_embedded_nextn_defects_are_named(hf_qwen3_nextn, tmp_path):
     bad = rewrite_gguf(tmp_path / "emb.gguf", tmp_path / "bad.gguf",
                        drop_tensors=["blk.2.nextn.hnorm.weight"],
                        reshape={"blk.2.nextn.eh_proj.weight": np.zeros((H, H), np.float32)})
-    assert errors(bad) == ["tensor blk.2.nextn.eh_proj.weight has dim[0]=256, expected 512",
-                           "required tensor is missing: blk.2.nextn.hnorm.weight"]
+    assert cli_errors(bad) == (1, ["tensor blk.2.nextn.eh_proj.weight has dim[0]=256, expected 512",
+                                   "required tensor is missing: blk.2.nextn.hnorm.weight"])
     r = cli("quantize", bad, "--type", "Q8_0", "--mtp-out", tmp_path / "m.gguf", "--only-support")
     assert r.exit_code == 1 and "blk.2.nextn.eh_proj.weight has dim[0]=256" in r.stderr
 
@@ -234,7 +240,7 @@ def test_dsv4_mtp_defects_in_ds4s_words(dsv4_mtp, tmp_path):
     }
     for case, (kw, want) in cases.items():
         bad = rewrite_gguf(path, tmp_path / f"{case}.gguf", **kw)
-        assert errors(bad) == want, case
+        assert cli_errors(bad) == (1, want), case
     # several defects at once: all of them, in one run, exit code 1
     bad = rewrite_gguf(path, tmp_path / "many.gguf", drop_tensors=["mtp.0.hnorm.weight"],
                        retype={"mtp.0.e_proj.weight": "Q4_0", "mtp.0.ffn_up_exps.weight": "Q2_K"})
@@ -255,12 +261,12 @@ def test_dense_mtp_key_and_shape_defects(qwen3_pair, tmp_path):
                        set_keys={"qwen3-mtp.context_length": (4096, V.INT32, None)},
                        retype={"mtp.0.enorm.weight": "F16"},
                        reshape={"mtp.0.attn_q.weight": np.zeros((256, H), np.float32)})
-    assert errors(bad) == [
+    assert cli_errors(bad) == (1, [
         "metadata key has a non-integer type: qwen3-mtp.context_length",
         "required metadata key is missing: qwen3-mtp.embedding_length",
         "tensor mtp.0.enorm.weight has type F16, expected F32",
         "tensor mtp.0.attn_q.weight has dim[1]=256, expected 384",
-    ]
+    ])
 
 
 def test_mismatched_target_pair_is_reported(qwen3_pair, hf_llama, gguf_llama_f32, tmp_path):
