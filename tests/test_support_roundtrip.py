@@ -6,18 +6,23 @@ import pytest
 
 from ds4tools import formats
 from ds4tools.gguf_io import open_gguf
+from ds4tools.gguf_io.imatrix import synthetic_imatrix
 from ds4tools.quantize import QuantizeOptions, quantize_model
 from ds4tools.support.dsv4_block import HF_BLOCK_NAMES, HF_EXPERT_PROJ
 from tests.fixtures.support_models import build_tiny_dspark_qwen3, build_tiny_dsv4, build_tiny_dsv4_target
 
 #: relative RMS error each stored type may add (F32 none)
-RMS_LIMIT = {"F32": 0.0, "F16": 1e-3, "Q8_0": 0.01, "Q4_K": 0.12}
+RMS_LIMIT = {"F32": 0.0, "F16": 1e-3, "Q8_0": 0.01, "Q4_K": 0.12, "IQ2_XXS": 0.4}
 
 
 def check(t, want: np.ndarray) -> None:
     assert tuple(t.shape) == want.shape, t.name
+    weights = None
+    if formats.get_format(t.type_name).requires_imatrix:  # ds4's stand-in when none is given
+        weights = synthetic_imatrix(want)
     np.testing.assert_array_equal(np.asarray(t.raw()).reshape(-1),
-                                  formats.quantize(want, t.type_name).reshape(-1), err_msg=t.name)
+                                  formats.quantize(want, t.type_name, imatrix=weights).reshape(-1),
+                                  err_msg=t.name)
     got = t.to_float32()
     rms = float(np.sqrt(np.mean((got - want) ** 2)))
     assert rms <= RMS_LIMIT[t.type_name] * float(np.sqrt(np.mean(want ** 2))) + 1e-12, (t.name, rms)
@@ -40,20 +45,25 @@ def dsv4_source(name: str, expected: dict) -> np.ndarray:
     return expected[p + rest]  # e_proj, enorm..., main_proj, markov_head.*, confidence_head.proj
 
 
-@pytest.mark.parametrize("kind,n_tensors", [("mtp", 32), ("dspark-v4", 81), ("dspark-v41", 78)])
-def test_every_dsv4_tensor(tmp_path, kind, n_tensors):
+@pytest.mark.parametrize("kind,n_tensors,type_name", [
+    ("mtp", 32, "Q8_0"), ("dspark-v4", 81, "Q8_0"), ("dspark-v41", 78, "Q8_0"),
+    ("dspark-v4", 81, "IQ2_XXS"),  # routed experts at IQ2_XXS, dense tensors Q8_0
+])
+def test_every_dsv4_tensor(tmp_path, kind, n_tensors, type_name):
     folder, expected = build_tiny_dsv4(tmp_path / "ckpt", kind)
     out = tmp_path / "out.gguf"
     if kind == "mtp":
-        opts = QuantizeOptions("Q8_0", mtp_out=str(out), only_support=True, progress=False)
+        opts = QuantizeOptions(type_name, mtp_out=str(out), only_support=True, progress=False)
     else:
         target = build_tiny_dsv4_target(tmp_path / "target", v41=kind.endswith("41"))
-        opts = QuantizeOptions("Q8_0", dspark_out=str(out), target=str(target), progress=False)
+        opts = QuantizeOptions(type_name, dspark_out=str(out), target=str(target), progress=False)
     quantize_model(folder, None, opts, report=lambda m: None)
     f = open_gguf(out)
     assert len(f.tensors) == n_tensors
     for name, t in f.tensors.items():
         check(t, dsv4_source(name, expected))
+        if "_exps." in name:
+            assert t.type_name == ("IQ2_XXS" if type_name == "IQ2_XXS" else "Q4_K" if kind == "mtp" else "Q8_0")
 
 
 LLAMA_CPP_NAMES = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight",

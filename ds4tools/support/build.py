@@ -64,8 +64,9 @@ def _out(spec: TensorSpec, target: Target, source, where: str, name_in_source: s
     load, shape, dtype, nbytes = source
     _check_shape(spec, shape, where, f"tensor '{name_in_source}'")
     t = pick_type(spec, target, tuple(reversed(shape)))
-    return OutTensor(spec.name, tuple(int(s) for s in shape), t, load=load, src_type=dtype,
-                     src_bytes=nbytes)
+    per_expert = spec.role in HF_EXPERT_PROJ  # loaded (and quantized) one expert at a time
+    return OutTensor(spec.name, tuple(int(s) for s in shape), t, load=None if per_expert else load,
+                     load_part=load if per_expert else None, src_type=dtype, src_bytes=nbytes)
 
 
 # --- MTP ------------------------------------------------------------------------------------------

@@ -121,36 +121,44 @@ class DSV4Checkpoint:
             cols *= 2
         return (len(names), rows, cols)
 
+    def load_expert(self, prefix: str, role: str, e: int) -> np.ndarray:
+        """Routed expert ``e`` of projection ``role`` as float32 [out, in]."""
+        name = self.expert_names(prefix, role)[e]
+        shape = self.expert_shape(prefix, role)
+        t = self._get(name)
+        if t.dtype in _PACKED:
+            scale = self.tensors.get(_scale_name(name))
+            if scale is None:
+                raise InvalidContentError(about(t.path, f"FP4 expert '{name}' has no scales"))
+            try:
+                w = fp8.dequantize_fp4(t.load_raw(), scale.load_raw(), n_inputs=shape[2])
+            except ValueError as err:
+                raise InvalidContentError(about(t.path, f"tensor '{name}': {err}")) from None
+        else:
+            w = self.load(name)
+        if w.shape != shape[1:]:
+            raise InvalidContentError(about(t.path, f"expert tensor '{name}' has shape "
+                                                    f"{list(w.shape)}, expected {list(shape[1:])}"))
+        return w
+
     def load_experts(self, prefix: str, role: str) -> np.ndarray:
-        names = self.expert_names(prefix, role)
+        """All routed experts of ``role`` as float32 [n_expert, out, in] (tests; the writer
+        takes them one at a time)."""
         shape = self.expert_shape(prefix, role)
         out = np.empty(shape, np.float32)
-        for e, name in enumerate(names):
-            t = self._get(name)
-            if t.dtype in _PACKED:
-                scale = self.tensors.get(_scale_name(name))
-                if scale is None:
-                    raise InvalidContentError(about(t.path, f"FP4 expert '{name}' has no scales"))
-                try:
-                    w = fp8.dequantize_fp4(t.load_raw(), scale.load_raw(), n_inputs=shape[2])
-                except ValueError as err:
-                    raise InvalidContentError(about(t.path, f"tensor '{name}': {err}")) from None
-            else:
-                w = self.load(name)
-            if w.shape != shape[1:]:
-                raise InvalidContentError(about(t.path, f"expert tensor '{name}' has shape "
-                                                        f"{list(w.shape)}, expected {list(shape[1:])}"))
-            out[e] = w
+        for e in range(shape[0]):
+            out[e] = self.load_expert(prefix, role, e)
         return out
 
     def experts_nbytes(self, prefix: str, role: str) -> int:
         return sum(self.nbytes(n) for n in self.expert_names(prefix, role))
 
     def block_source(self, prefix: str, role: str):
-        """(loader, numpy shape, source dtype, source bytes) of block tensor ``role``."""
+        """(loader, numpy shape, source dtype, source bytes) of block tensor ``role``; the
+        routed experts' loader takes the expert index."""
         if role in HF_EXPERT_PROJ:
             names = self.expert_names(prefix, role)
-            return (lambda: self.load_experts(prefix, role), self.expert_shape(prefix, role),
+            return (lambda e: self.load_expert(prefix, role, e), self.expert_shape(prefix, role),
                     self.dtype(names[0]) if names else "?", self.experts_nbytes(prefix, role))
         name = prefix + HF_BLOCK_NAMES[role]
         return (lambda: self.load(name), self.shape(name), self.dtype(name), self.nbytes(name))

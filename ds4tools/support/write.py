@@ -31,6 +31,9 @@ class OutTensor:
     type_name: str  # how it is stored
     load: Callable[[], np.ndarray] | None = None  # float32 values, numpy order
     raw: Callable[[], np.ndarray] | None = None  # bytes already in type_name: copied as they are
+    #: a 3-D tensor loaded one leading index (expert) at a time: float32 [rows, ne0] of part i,
+    #: so that a model's routed experts are never all in memory as float32 at once
+    load_part: Callable[[int], np.ndarray] | None = None
     src_type: str = "F32"
     src_bytes: int = 0
 
@@ -95,10 +98,19 @@ def pick_type(spec: TensorSpec, target: Target, ggml_shape, chooser: TypeChooser
 def _encode(t: OutTensor, device: str, where: str) -> np.ndarray:
     if t.raw is not None:
         return t.raw()
-    values = t.load()
-    if tuple(values.shape) != tuple(t.shape):
+    if t.load_part is not None:
+        fmt = formats.get_format(t.type_name)
+        out = np.empty(t.shape[:-1] + (fmt.row_bytes(t.shape[-1]),), np.uint8)
+        for i in range(t.shape[0]):
+            out[i] = _encode_values(t, t.load_part(i), t.shape[1:], device, where)
+        return out
+    return _encode_values(t, t.load(), t.shape, device, where)
+
+
+def _encode_values(t: OutTensor, values: np.ndarray, shape, device: str, where: str) -> np.ndarray:
+    if tuple(values.shape) != tuple(shape):
         raise InvalidContentError(about(where, f"tensor {t.name}: loaded shape {list(values.shape)}, "
-                                               f"expected {list(t.shape)}"))
+                                               f"expected {list(shape)}"))
     bad = ~np.isfinite(values)
     if bad.any():
         raise InvalidContentError(about(where, f"tensor {t.name} holds {int(bad.sum())} NaN or "
