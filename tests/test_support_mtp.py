@@ -282,3 +282,21 @@ def test_mismatched_target_pair_is_reported(qwen3_pair, hf_llama, gguf_llama_f32
     # a target that is not a model file cannot be read: exit 2
     r = cli("inspect", path, "--target", tmp_path / "none.gguf")
     assert r.exit_code == 2 and "none.gguf" in r.stderr
+
+
+def test_ds4_mtp_file_without_our_keys_is_checked_from_its_tensors(dsv4_mtp, tmp_path):
+    path, _ = dsv4_mtp
+    f = open_gguf(path)
+    ours = [k for k in f.metadata if k.startswith("deepseek4-mtp.")]
+    bare = rewrite_gguf(path, tmp_path / "bare.gguf", drop_keys=ours, arch="deepseek4")
+    doc = inspect_file(str(bare))
+    assert doc["kind"] == "mtp-support" and doc["valid"]
+    assert [x["message"] for x in doc["findings"]] == [
+        "general.architecture is 'deepseek4'; an MTP support file has '<target architecture>-mtp'"]
+    # internal consistency without keys: a projection that disagrees with the norms is caught
+    bad = rewrite_gguf(bare, tmp_path / "bad.gguf",
+                       reshape={"mtp.0.attn_kv.weight": np.zeros((32, 256), np.float32)},
+                       retype={"mtp.0.attn_kv.weight": "Q8_0"})
+    assert cli_errors(bad) == (1, ["tensor mtp.0.attn_kv.weight has dim[1]=32, expected 64"])
+    s = open_support(bare)
+    assert s.hparams.dims.n_embd == 256 and s.hparams.dims.hc == 4 and s.hparams.dims.n_expert == 4
