@@ -193,3 +193,19 @@ def test_rope_tables_yarn_as_ggml_defines_it():
     # without YaRN: plain (linearly scaled) angles
     cos, sin = kernels.rope_tables(8, n_rot, base, freq_scale=0.5)
     assert cos[3, 2] == np.float32(np.cos(3 * base ** (-4.0 / n_rot) * 0.5))
+
+
+def test_exp_f32_accuracy():
+    from numba import njit
+
+    @njit
+    def run(x, out):
+        for i in range(x.shape[0]):
+            out[i] = kernels.exp_f32(x[i])
+    x = np.linspace(-87.0, 88.0, 200001).astype(np.float32)
+    out = np.empty_like(x)
+    run(x, out)
+    ref = np.exp(x.astype(np.float64))
+    assert (np.abs(out - ref) / ref).max() < 1e-6
+    run(np.array([-1e4, 0.0], np.float32), out[:2])
+    assert out[0] < 1e-37 and out[1] == 1.0
