@@ -202,12 +202,15 @@ class GGUFTokenizer:
 
     # --- decoding ----------------------------------------------------------------------------
 
-    @property
-    def token_bytes(self) -> list[bytes]:
-        """What each token prints as (control tokens print nothing, as llama.cpp's default)."""
+    def token_bytes(self, i: int) -> bytes:
+        """What token i prints as (control tokens print nothing, as llama.cpp's default);
+        computed on first use (a 150k vocabulary need not be walked to print a few tokens)."""
         if self._bytes is None:
-            self._bytes = [self._piece(i) for i in range(self.n_vocab)]
-        return self._bytes
+            self._bytes = [None] * self.n_vocab
+        b = self._bytes[i]
+        if b is None:
+            b = self._bytes[i] = self._piece(i)
+        return b
 
     def _piece(self, i: int) -> bytes:
         text, ty = self.tokens[i], self.types[i]
@@ -226,8 +229,7 @@ class GGUFTokenizer:
         return text.replace(SPACE_MARK, " ").encode("utf-8")
 
     def decode_bytes(self, ids) -> bytes:
-        table = self.token_bytes
-        return b"".join(table[int(i)] for i in ids)
+        return b"".join(self.token_bytes(int(i)) for i in ids)
 
     def decode(self, ids) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
@@ -247,11 +249,11 @@ class StreamDecoder:
     the bytes that finish it arrive (a multi-byte character may span several tokens)."""
 
     def __init__(self, tok: GGUFTokenizer):
-        self._table = tok.token_bytes
+        self._bytes = tok.token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        return self._utf8.decode(self._table[int(token_id)])
+        return self._utf8.decode(self._bytes(int(token_id)))
 
     def flush(self) -> str:
         """Whatever is left at the end (an unfinished sequence becomes U+FFFD)."""
