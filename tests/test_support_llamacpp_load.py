@@ -124,3 +124,21 @@ def test_llama_cpp_target_layer_k_is_the_output_of_layer_k_minus_1(gguf_qwen3_f3
         # float32 with an f16 KV cache against a float64 reference: close for one, far for the others
         assert closest == str(int(k) - 1) and errs[closest] < 1e-2, got
         assert all(v > 0.3 for c, v in errs.items() if c != closest), got
+
+
+_LOAD_MODEL = """
+    llama_cpp.llama_backend_init()
+    m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
+    print("RESULT " + json.dumps({"loaded": bool(m)}))
+"""
+
+
+def test_stock_qwen3_loader_refuses_an_embedded_nextn_layer(hf_qwen3_nextn, tmp_path):
+    """As docs/support-gguf.md says: --keep-nextn files are for ds4tools' engine, not stock llama.cpp."""
+    from ds4tools.quantize import QuantizeOptions, quantize_model
+    quantize_model(hf_qwen3_nextn, tmp_path / "plain.gguf", QuantizeOptions("F32", progress=False),
+                   report=lambda m: None)
+    quantize_model(hf_qwen3_nextn, tmp_path / "nextn.gguf", QuantizeOptions("F32", keep_nextn=True, progress=False),
+                   report=lambda m: None)
+    assert run_child(_LOAD_MODEL, tmp_path / "plain.gguf") == {"loaded": True}
+    assert run_child(_LOAD_MODEL, tmp_path / "nextn.gguf") == {"loaded": False}
