@@ -16,6 +16,9 @@ decode step (where the time goes, and how much is Python between kernels).
     python benchmarks/bench_engine.py --models q8_0 --repeat 5
     python benchmarks/bench_engine.py --quick           # tiny synthetic models (smoke run)
 
+When llama-cpp-python is installed, llama.cpp runs the same files with the same threads in the
+same run (a child process), for ratios measured under the same machine load.
+
 Reference (the issue): llama.cpp decodes a 363M llama at 29 t/s (Q8_0) and 50 t/s (Q4_K_M) on
 this kind of machine with 2 threads. Goals: r(8) <= 1.3; warm start <= 2 s.
 """
@@ -201,6 +204,75 @@ def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> di
     }
 
 
+LLAMA_CPP_CHILD = """
+import json, sys, time
+import numpy as np
+import llama_cpp as L
+path, threads, n_prompt, n_decode, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.use_extra_bufts = False  # its AMX / repacked weight buffers crash in some VMs
+model = L.llama_model_load_from_file(path.encode(), mp)
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
+cp.n_threads = cp.n_threads_batch = threads
+ctx = L.llama_init_from_model(model, cp)
+mem = L.llama_get_memory(ctx)
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+batch = L.llama_batch_init(512, 0, 1)
+
+def forward(tokens, pos0, all_logits):
+    for i, t in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), pos0 + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
+    batch.n_tokens = len(tokens)
+    assert L.llama_decode(ctx, batch) == 0
+
+prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
+best = lambda f: min(f() for _ in range(repeat))
+
+def prefill():
+    L.llama_memory_clear(mem, True)
+    t = time.perf_counter(); forward(prompt, 0, False); return time.perf_counter() - t
+t_prefill = best(prefill)
+
+def decode():
+    L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
+    t = time.perf_counter()
+    tok = int(prompt[-1])
+    for i in range(n_decode):
+        forward([tok], n_prompt + i, False)
+        tok = int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))))
+    return (time.perf_counter() - t) / n_decode
+t_decode = best(decode)
+times = {k: float("inf") for k in (1, 8, 16)}
+for _ in range(max(repeat, 5)):
+    for k in times:
+        L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
+        t = time.perf_counter(); forward(prompt[:k], n_prompt, True)
+        times[k] = min(times[k], time.perf_counter() - t)
+print("RESULT " + json.dumps({"prefill_tps": n_prompt / t_prefill, "decode_tps": 1 / t_decode,
+                              "r": {k: v / times[1] for k, v in times.items()}}))
+"""
+
+
+def llama_cpp_baseline(path, threads, repeat, n_prompt=128, n_decode=32) -> dict | None:
+    """llama.cpp (llama-cpp-python's library) on the same file, same threads, in a child process;
+    None when it is not installed or fails."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    r = subprocess.run([sys.executable, "-c", LLAMA_CPP_CHILD, str(path), str(threads), str(n_prompt),
+                        str(n_decode), str(repeat)], capture_output=True, text=True, timeout=1800)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        return None
+    import json
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 class KernelTimer:
     """Wraps the engine's kernels and matmuls with timers for one profiled run (benchmark only)."""
 
@@ -278,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny synthetic models (smoke run)")
     ap.add_argument("--dir", help="where to keep the synthetic GGUFs (default: a temp dir)")
     ap.add_argument("--exact", action="store_true", help="float32 activations everywhere")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
     args = ap.parse_args(argv)
 
     def log(msg):
@@ -321,6 +394,13 @@ def run(args, folder, log) -> None:
         rs = res["r"]
         log("  r(k): " + " ".join(f"{k}:{v:.2f}" for k, v in rs.items())
             + f"   (1-token forward {res['t1_ms']:.2f} ms at context {res['n_ctx_measured']})")
+        base = None if args.no_llama_cpp else llama_cpp_baseline(paths[name], args.threads, args.repeat)
+        if base:
+            log(f"  llama.cpp, same file and threads (no AMX/repack buffers): prefill "
+                f"{base['prefill_tps']:.1f} t/s, decode {base['decode_tps']:.2f} t/s -> ours / theirs: "
+                f"prefill {res['prefill_tps'] / base['prefill_tps']:.2f}, decode "
+                f"{res['decode_tps'] / base['decode_tps']:.2f}; its r(8) {base['r']['8']:.2f}, "
+                f"r(16) {base['r']['16']:.2f}")
         per, wall = kernel_breakdown(eng)
         inside = sum(v for k, v in per.items() if k != "output (norm + logits)")
         log(f"  one decode step {wall * 1e3:.2f} ms: " + ", ".join(

@@ -7,7 +7,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.py
 
 def test_bench_engine_quick_run(capsys, tmp_path):
     main = runpy.run_path(str(BENCH), run_name="bench_engine")["main"]
-    assert main(["--quick", "--models", "q8_0,q4_k_m", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    assert main(["--quick", "--models", "q8_0,q4_k_m", "--repeat", "1", "--dir", str(tmp_path),
+                 "--no-llama-cpp"]) == 0
     out = capsys.readouterr().out
     assert "numpy memory copy:" in out
     for name in ("q8_0", "q4_k_m"):
