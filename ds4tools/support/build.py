@@ -27,7 +27,7 @@ from .hf_dspark import LAYER_NAMES, DeepSpecDraft
 from .dsv4_block import HF_BLOCK_NAMES, HF_EXPERT_PROJ
 from .hf_dsv4 import DSV4Checkpoint
 from .layout import TensorSpec
-from .target import Dims, TargetInfo, _gguf_dims, hf_dims
+from .target import Dims, TargetInfo, gguf_dims, hf_config, hf_dims
 from .write import OutTensor, pick_type
 
 __all__ = ["Built", "DSparkOptions", "mtp_from_hf", "mtp_from_dsv4", "mtp_from_gguf",
@@ -181,7 +181,7 @@ def mtp_from_gguf(f, path: str) -> Built:
     if problems.errors:
         raise InvalidContentError(about(path, problems.errors[0]),
                                   findings=[about(path, m) for m in problems.errors])
-    arch, dims, _ = _gguf_dims(f)
+    arch, dims, _ = gguf_dims(f)
     if arch in mtp.DSV4_ARCHS:
         raise InvalidContentError(about(path, "extracting an embedded DeepSeek V4 NextN layer is "
                                               "not supported (its MTP file comes from the "
@@ -239,7 +239,6 @@ def _check_rank(opts: DSparkOptions, rank: int) -> None:
 
 def _tokenizer_keys(target: TargetInfo, n_vocab: int, report) -> list[MetaKey]:
     if target.hf_folder is not None:
-        from .target import hf_config
         return tokenizer_metadata(target.hf_folder, hf_config(target.hf_folder), n_vocab, report)
     f = target.gguf
     keys = []
@@ -259,6 +258,10 @@ def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, 
     """llama.cpp's DSpark draft (dflash + Markov head) from a DeepSpec Qwen3DSparkModel draft."""
     draft = DeepSpecDraft(folder)
     where = draft.folder
+    unknown = draft.unknown_tensors()
+    if unknown:
+        raise InvalidContentError(about(where, f"tensor '{unknown[0]}' has no place in the DSpark "
+                                               f"draft layout"))
     if target_info.arch not in ("qwen3", "llama"):
         raise UsageError(f"--target {target_info.path}: a {target_info.arch} model; llama.cpp's "
                          f"DSpark layout is written for qwen3 and llama targets")
@@ -290,7 +293,7 @@ def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, 
     keys += [k for k in _tokenizer_keys(target_info, n_vocab, report)
              if k.key != "tokenizer.ggml.mask_token_id"]
     keys.append(MetaKey("tokenizer.ggml.mask_token_id", noise, V.UINT32))
-    h = _FakeHparams(dims, draft.n_layer, stored, draft.markov_rank)
+    h = _DraftShape(dims, draft.n_layer, stored, draft.markov_rank)
     specs = dspark_llamacpp.specs(h, E, n_vocab)
     by_name = {
         "fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight",
@@ -309,12 +312,10 @@ def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, 
             continue
         tensors.append(_out(s, target, _hf_source(draft.get(src_name)), where, src_name))
     notes = [f"note: {where}: {n} left out (the target's is used)" for n in draft.skipped]
-    for n in draft.unknown_tensors():
-        raise InvalidContentError(about(where, f"tensor '{n}' has no place in the DSpark draft layout"))
     return Built(dspark_llamacpp.ARCH, keys, tensors, draft.paths, notes)
 
 
-class _FakeHparams:
+class _DraftShape:
     """The hyper-parameters ``dspark_llamacpp.specs`` reads, for a draft not yet written."""
 
     def __init__(self, d: Dims, n_layer: int, stored_layers, rank: int):

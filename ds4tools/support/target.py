@@ -15,7 +15,8 @@ from ..errors import InvalidContentError, UnreadableError, about
 from ..gguf_io import GGUFFile, open_gguf
 from . import meta
 
-__all__ = ["Dims", "TargetInfo", "open_target", "HF_ARCHITECTURES", "DIM_LABELS"]
+__all__ = ["Dims", "TargetInfo", "open_target", "gguf_dims", "hf_dims", "hf_config",
+           "HF_ARCHITECTURES", "DIM_LABELS"]
 
 #: Hugging Face architecture -> the GGUF architecture name ds4tools uses for it
 HF_ARCHITECTURES = {
@@ -86,7 +87,7 @@ def _first(v):
     return v
 
 
-def _gguf_dims(f: GGUFFile) -> tuple[str, Dims, int]:
+def gguf_dims(f: GGUFFile) -> tuple[str, Dims, int]:
     arch = f.architecture or ""
     md = f.metadata
     g = lambda k: md.get(f"{arch}.{k}")  # noqa: E731
@@ -191,7 +192,7 @@ def open_target(path) -> TargetInfo:
     if not os.path.exists(path):
         raise UnreadableError(about(path, "no such file or directory"))
     f = open_gguf(path)
-    arch, dims, nextn = _gguf_dims(f)
+    arch, dims, nextn = gguf_dims(f)
     if not arch:
         raise InvalidContentError(about(path, "the target GGUF has no general.architecture"))
     return TargetInfo(path, arch, dims, gguf=f, nextn_layers=nextn)
