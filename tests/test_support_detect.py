@@ -124,3 +124,16 @@ def test_mix_types_with_row_fallbacks_and_dry_run(hf_qwen3_nextn, tmp_path):
     # rows of 256 take Q4_K; rows of 384 (4 heads x 96) fall back as llama.cpp does: Q5_0
     assert types["attn_q"] == "Q4_K" and types["attn_output"] == "Q5_0" and types["enorm"] == "F32"
     assert inspect_file(str(tmp_path / "m.gguf"))["valid"]
+
+
+def test_an_existing_support_output_is_refused_before_the_target_is_written(hf_qwen3_nextn, tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"keep me")
+    r = cli("quantize", hf_qwen3_nextn, "-o", tmp_path / "t.gguf", "--type", "Q8_0", "--mtp-out", tmp_path / "m.gguf")
+    assert r.exit_code == 2 and "m.gguf: already exists (pass --overwrite to replace it)" in r.stderr
+    assert not (tmp_path / "t.gguf").exists() and (tmp_path / "m.gguf").read_bytes() == b"keep me"
+    r = cli("quantize", hf_qwen3_nextn, "-o", tmp_path / "same.gguf", "--type", "Q8_0", "--mtp-out",
+            tmp_path / "same.gguf")
+    assert r.exit_code == 2 and "name the same file" in r.stderr
+    r = cli("quantize", hf_qwen3_nextn, "-o", tmp_path / "t.gguf", "--type", "Q8_0", "--mtp-out",
+            tmp_path / "m.gguf", "--overwrite")
+    assert r.exit_code == 0 and r.stdout.count(" tensors, ") == 2

@@ -46,11 +46,23 @@ def _write(built, path, options, target, report) -> str:
         report(note)
     if options.dry_run:
         return _plan_table(built, os.fspath(path))
-    result = write_support_gguf(path, built.arch, built.keys, built.tensors, where=built.inputs[0]
-                                if built.inputs else os.fspath(path), inputs=built.inputs,
-                                overwrite=options.overwrite, device=options.device,
-                                progress=options.progress, file_type=target.ftype)
+    where = built.inputs[0] if built.inputs else os.fspath(path)
+    result = write_support_gguf(path, built.arch, built.keys, built.tensors, where=where,
+                                inputs=built.inputs, overwrite=options.overwrite,
+                                device=options.device, progress=options.progress,
+                                file_type=target.ftype)
     return result.summary
+
+
+def _check_new_output(path, options, other=None) -> None:
+    """Refuse an existing output before anything is written (the target model included)."""
+    if options.dry_run:
+        return
+    if other and os.path.abspath(os.fspath(path)) == os.path.abspath(os.fspath(other)):
+        raise UsageError(about(path, "the support file and -o name the same file"))
+    if os.path.exists(path) and not options.overwrite:
+        raise UsageError(about(os.path.abspath(os.fspath(path)),
+                               "already exists (pass --overwrite to replace it)"))
 
 
 def _dspark_options(options) -> build.DSparkOptions:
@@ -71,6 +83,7 @@ def quantize_support(src, out, options, report, quantize_main) -> list[str]:
         raise UsageError("--only-support needs --mtp-out MTP.gguf (the support file to write)")
     if options.only_support and out:
         raise UsageError("--only-support writes only the support file: drop -o")
+    _check_new_output(options.mtp_out, options, out)
     built = _mtp_source(src, options, target)
     lines = []
     if not options.only_support:
@@ -107,6 +120,7 @@ def _dspark(src: str, out, options, target, report) -> str:
                          "directory or GGUF: its vocabulary, hidden size and layers)")
     if not os.path.isdir(src):
         raise UsageError(about(src, "a DSpark draft is converted from its Hugging Face directory"))
+    _check_new_output(options.dspark_out, options)
     from .hf_dspark import is_deepspec_config
     from .hf_dsv4 import is_dsv4_config
     cfg = hf_config(src)
