@@ -46,6 +46,7 @@ class HParams:
     yarn_attn_factor: float = 1.0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    n_nextn: int = 0        # NextN layers stored after the n_layer decoder blocks (not run)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -127,6 +128,13 @@ def hparams_from_metadata(meta: dict, n_vocab_tensor: int | None = None) -> HPar
 
     n_embd = _positive(k("embedding_length"), _get(meta, k("embedding_length"), int))
     n_layer = _positive(k("block_count"), _get(meta, k("block_count"), int))
+    # NextN/MTP layers embedded as llama.cpp does for GLM / DeepSeek are the LAST blocks and are
+    # counted in block_count; the decoder runs the others (--glm-mtp drafts with those)
+    n_nextn = _get(meta, k("nextn_predict_layers"), int, default=0, required=False)
+    if not 0 <= n_nextn < n_layer:
+        raise HParamsError(f"{k('nextn_predict_layers')} is {n_nextn}: must be below "
+                           f"{k('block_count')} ({n_layer})")
+    n_layer -= n_nextn
     n_ff = _positive(k("feed_forward_length"), _get(meta, k("feed_forward_length"), int))
     n_head = _positive(k("attention.head_count"), _get(meta, k("attention.head_count"), int))
     n_head_kv = _positive(k("attention.head_count_kv"),
@@ -190,4 +198,5 @@ def hparams_from_metadata(meta: dict, n_vocab_tensor: int | None = None) -> HPar
         yarn_attn_factor=_get(meta, k("rope.scaling.yarn_attn_factor"), float, default=1.0, required=False),
         yarn_beta_fast=_get(meta, k("rope.scaling.yarn_beta_fast"), float, default=32.0, required=False),
         yarn_beta_slow=_get(meta, k("rope.scaling.yarn_beta_slow"), float, default=1.0, required=False),
+        n_nextn=n_nextn,
     )

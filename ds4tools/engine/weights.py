@@ -234,6 +234,9 @@ _LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.
 
 def _expected_names(hp: HParams) -> set[str]:
     names = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
-    for i in range(hp.n_layer):
+    for i in range(hp.n_layer + hp.n_nextn):
         names.update(f"blk.{i}.{t}" for t in _LAYER_TENSORS)
+    for i in range(hp.n_layer, hp.n_layer + hp.n_nextn):  # loaded by the MTP drafter, if asked
+        names.update(f"blk.{i}.nextn.{t}.weight" for t in
+                     ("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head"))
     return names

@@ -1,0 +1,136 @@
+"""Building drafters from files: a support GGUF (MTP head or DSpark draft), or the NextN layer
+embedded in the model GGUF (``--glm-mtp``). Every file goes through ``ds4tools.support``: the
+same detection, validation and messages as ``ds4tools inspect``, checked against the target.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...errors import InvalidContentError, UsageError, about
+from ...support.detect import MTP as MTP_KIND
+from ...support.support_file import open_support
+from ..hparams import HParams
+from ..weights import LayerWeights, WeightsError, _linear, _vector
+from .dspark import DSparkWeights
+from .mtp import MtpHeadWeights
+
+_LAYER_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def load_layer(tensors: dict, prefix: str, hp: HParams, int8: str) -> LayerWeights:
+    """A llama/qwen3 decoder layer from tensors named ``<prefix><part>.weight``."""
+    p = prefix
+    H, Q, KV = hp.n_embd, hp.n_q, hp.n_kv
+    qk = hp.arch == "qwen3" or (p + "attn_q_norm.weight") in tensors
+    return LayerWeights(
+        attn_norm=_vector(tensors, p + "attn_norm.weight", H),
+        wq=_linear(tensors, p + "attn_q.weight", Q, H, int8),
+        wk=_linear(tensors, p + "attn_k.weight", KV, H, int8),
+        wv=_linear(tensors, p + "attn_v.weight", KV, H, int8),
+        wo=_linear(tensors, p + "attn_output.weight", H, Q, int8),
+        ffn_norm=_vector(tensors, p + "ffn_norm.weight", H),
+        w_gate=_linear(tensors, p + "ffn_gate.weight", hp.n_ff, H, int8),
+        w_up=_linear(tensors, p + "ffn_up.weight", hp.n_ff, H, int8),
+        w_down=_linear(tensors, p + "ffn_down.weight", H, hp.n_ff, int8),
+        q_norm=_vector(tensors, p + "attn_q_norm.weight", hp.head_dim, required=qk),
+        k_norm=_vector(tensors, p + "attn_k_norm.weight", hp.head_dim, required=qk),
+        bq=_vector(tensors, p + "attn_q.bias", Q, required=False),
+        bk=_vector(tensors, p + "attn_k.bias", KV, required=False),
+        bv=_vector(tensors, p + "attn_v.bias", KV, required=False),
+        bo=_vector(tensors, p + "attn_output.bias", H, required=False),
+    )
+
+
+def _mtp_from_support(sf, hp: HParams, int8: str) -> MtpHeadWeights:
+    t = sf.gguf.tensors
+    p = "mtp.0."
+    if (p + "attn_q_a.weight") in t or (p + "hc_head_fn.weight") in t:
+        raise UsageError(about(sf.path, "is a DeepSeek V4 MTP head (mtp.0 with hyper-connections and "
+                                        "experts); the engine runs llama/qwen3 targets, whose MTP "
+                                        "heads are dense qwen3/llama layers"))
+    H = hp.n_embd
+    return MtpHeadWeights(
+        enorm=_vector(t, p + "enorm.weight", H), hnorm=_vector(t, p + "hnorm.weight", H),
+        norm=_vector(t, p + "norm.weight", H), layer=load_layer(t, p, hp, int8),
+        e_proj=_linear(t, p + "e_proj.weight", H, H, int8),
+        h_proj=_linear(t, p + "h_proj.weight", H, H, int8),
+        source=f"MTP head {sf.path} (ds4 layout, NextN layer {sf.hparams.nextn_layer_index})")
+
+
+def mtp_from_nextn(gguf, hp: HParams, int8: str) -> MtpHeadWeights:
+    """The first NextN layer embedded in a model GGUF (``blk.L.nextn.*`` + ``blk.L.*``)."""
+    from ...support import nextn
+    e = nextn.find(gguf)
+    if e is None:
+        raise UsageError(about(gguf.path, "--glm-mtp: the model has no NextN layers "
+                                          f"({gguf.architecture}.nextn_predict_layers is absent)"))
+    problems = nextn.validate(gguf)
+    if problems.errors:
+        raise InvalidContentError(about(gguf.path, problems.errors[0]),
+                                  findings=[about(gguf.path, m) for m in problems.errors])
+    L = e.blocks[0]
+    t = gguf.tensors
+    H = hp.n_embd
+    try:
+        return MtpHeadWeights(
+            enorm=_vector(t, nextn.gguf_nextn_name(L, "enorm"), H),
+            hnorm=_vector(t, nextn.gguf_nextn_name(L, "hnorm"), H),
+            norm=_vector(t, nextn.gguf_nextn_name(L, "shared_head_norm"), H),
+            layer=load_layer(t, f"blk.{L}.", hp, int8),
+            eh_proj=_linear(t, nextn.gguf_nextn_name(L, "eh_proj"), H, 2 * H, int8),
+            source=f"NextN layer blk.{L} embedded in {gguf.path}")
+    except WeightsError as err:
+        raise InvalidContentError(about(gguf.path, str(err))) from None
+
+
+def _draft_hparams(target_hp: HParams, sf) -> HParams:
+    d = sf.hparams.draft
+    hd = d.head_dim or target_hp.head_dim
+    return dataclasses.replace(
+        target_hp, arch="qwen3" if sf.has("attn_q_norm", 0) else target_hp.arch,
+        n_layer=sf.hparams.n_layer, n_head=d.n_head or target_hp.n_head,
+        n_head_kv=d.n_head_kv or target_hp.n_head_kv, head_dim=hd, head_dim_v=hd,
+        n_ff=d.n_ff or target_hp.n_ff, rms_eps=d.rms_eps or target_hp.rms_eps,
+        rope_freq_base=d.rope_base or target_hp.rope_freq_base, n_rot=hd)
+
+
+def _dspark_from_support(sf, target_hp: HParams, int8: str) -> DSparkWeights:
+    hp_s = sf.hparams
+    if hp_s.layout != "llama.cpp":
+        raise UsageError(about(sf.path, f"is a DSpark support file in ds4's DeepSeek V4 layout "
+                                        f"({sf.architecture}); the engine runs DSpark drafts for "
+                                        f"llama/qwen3 targets in llama.cpp's layout (dflash)"))
+    if not hp_s.sample_from_anchor:
+        raise UsageError(about(sf.path, "dflash.sample_from_anchor is false (the 1+N block layout); "
+                                        "the engine runs anchor-first DSpark blocks"))
+    hp = _draft_hparams(target_hp, sf)
+    t = sf.gguf.tensors
+    H, r, V = hp.n_embd, hp_s.markov_rank, target_hp.n_vocab
+    n_t = len(hp_s.target_layers)
+    conf_w = conf_b = None
+    if "conf_proj.weight" in t:
+        conf_w = _linear(t, "conf_proj.weight", 1, H + r, "none").dequantize()[0].astype("float64")
+        conf_b = float(_vector(t, "conf_proj.bias", 1)[0]) if "conf_proj.bias" in t else 0.0
+    return DSparkWeights(
+        fc=_linear(t, "fc.weight", H, n_t * H, int8),
+        hidden_norm=_vector(t, "enc.output_norm.weight", H),
+        layers=[load_layer(t, f"blk.{i}.", hp, int8) for i in range(hp_s.n_layer)],
+        norm=_vector(t, "output_norm.weight", H),
+        markov_w1=_linear(t, "markov_w1.weight", V, r, "none"),
+        markov_w2=_linear(t, "markov_w2.weight", V, r, int8),
+        conf_w=conf_w, conf_b=conf_b or 0.0, hparams=hp, block_size=hp_s.block_size,
+        markov_rank=r, mask_token_id=hp_s.mask_token_id,
+        target_layers=tuple(hp_s.target_layers), source=f"{sf.path}, {len(t)} tensors")
+
+
+def open_support_for(path, target_path, target_hp: HParams, int8: str):
+    """(kind, weights) for a support GGUF checked against the target: "mtp" -> MtpHeadWeights,
+    "dspark" -> DSparkWeights. Problems raise the errors ``inspect`` reports."""
+    sf = open_support(path, target=target_path)
+    try:
+        if sf.kind == MTP_KIND:
+            return "mtp", _mtp_from_support(sf, target_hp, int8)
+        return "dspark", _dspark_from_support(sf, target_hp, int8)
+    except WeightsError as err:
+        raise InvalidContentError(about(sf.path, str(err))) from None

@@ -1,0 +1,156 @@
+"""The MTP drafter: one NextN layer run autoregressively on the target's hidden state.
+
+For target position i the head takes the target's final normed hidden state h_i and the
+embedding of token t_{i+1}, and predicts t_{i+2} (DeepSeek-V3 / GLM NextN, fed as llama.cpp,
+vLLM and SGLang do):
+
+    x_i    = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])       (ds4 layout: e_proj(.) + h_proj(.))
+    y_i    = decoder_layer(x_i)     at rope position i, causal over the head's own rows 0..i
+    logits = output(shared_head_norm(y_i))                       (the target's lm_head)
+
+Drafting after the anchor t_P: the row for position P-1 (true h_{P-1}, the anchor) gives d_1;
+then the head recurses on its own state: the row for position P-1+j takes
+shared_head_norm(y) of the previous row (the analogue of a final normed hidden) and d_j, and
+gives d_{j+1}. After verification the head's cache is rolled back to its true rows, and the
+committed positions are re-run with the target's real hidden states the next time it drafts
+(batched with that step's first row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampling import draw
+from ..transformer import Workspace, layer_forward
+from ..weights import LayerWeights, Linear
+from .. import kernels
+from .drafter import Drafter, Proposal
+
+
+@dataclass
+class MtpHeadWeights:
+    """One MTP layer: either NextN's fused ``eh_proj`` (2H -> H over [enorm(e); hnorm(h)]) or
+    ds4's split ``e_proj`` / ``h_proj`` (H -> H each, summed)."""
+    enorm: np.ndarray
+    hnorm: np.ndarray
+    norm: np.ndarray                   # NextN's shared_head.norm
+    layer: LayerWeights
+    eh_proj: Linear | None = None
+    e_proj: Linear | None = None
+    h_proj: Linear | None = None
+    source: str = ""                   # for the load-time log line
+
+    def __post_init__(self):
+        if (self.eh_proj is None) == (self.e_proj is None or self.h_proj is None):
+            raise ValueError("an MTP head needs either eh_proj or both e_proj and h_proj")
+
+
+class MtpHead:
+    """The head's forward over a batch of rows, with its own one-layer KV cache."""
+
+    def __init__(self, target, weights: MtpHeadWeights):
+        self.t = target
+        self.w = weights
+        hp = target.hp
+        self.hp = hp
+        self.cache = target.new_cache(n_layer=1)
+        self.ws = Workspace(hp, target.chunk)
+        self.rows = target.chunk
+
+    def run(self, hidden: np.ndarray, tokens, start_pos: int) -> np.ndarray:
+        """Head rows for positions start_pos.. from target-side hidden states (k, H) and the
+        next tokens (k,); returns the layer outputs y (k, H). Writes the head's cache rows."""
+        hp, w = self.hp, self.w
+        k = len(tokens)
+        out = np.empty((k, hp.n_embd), np.float32)
+        for c0 in range(0, k, self.rows):
+            c1 = min(k, c0 + self.rows)
+            n = c1 - c0
+            e = self.t.embed(np.asarray(tokens[c0:c1], np.int64))
+            kernels.rmsnorm(e, w.enorm, hp.rms_eps, e)
+            h = np.empty((n, hp.n_embd), np.float32)
+            kernels.rmsnorm(np.ascontiguousarray(hidden[c0:c1], np.float32), w.hnorm, hp.rms_eps, h)
+            x = np.empty((n, hp.n_embd), np.float32)
+            if w.eh_proj is not None:
+                w.eh_proj.matmul(np.ascontiguousarray(np.concatenate([e, h], axis=1)), x)
+            else:
+                w.e_proj.matmul(e, x)
+                hx = np.empty_like(x)
+                w.h_proj.matmul(h, hx)
+                kernels.add_into(x, hx)
+            positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
+            layer_forward(x, w.layer, hp, self.cache, 0, positions, positions + 1, self.t.rope, self.ws)
+            self.cache.length = start_pos + c1
+            out[c0:c1] = x
+        return out
+
+    def head(self, y: np.ndarray):
+        """shared_head_norm(y) and the target's logits for rows y (k, H)."""
+        normed = np.empty_like(y)
+        kernels.rmsnorm(y, self.w.norm, self.hp.rms_eps, normed)
+        logits = np.empty((y.shape[0], self.hp.n_vocab), np.float32)
+        self.t.weights.output.matmul(normed, logits)
+        return normed, logits
+
+
+class MtpDrafter(Drafter):
+    name = "mtp"
+    wants_final_hidden = True
+
+    def __init__(self, target, weights: MtpHeadWeights, max_draft: int = 3, margin: float = 0.0):
+        if not 1 <= max_draft <= 16:
+            raise ValueError(f"--mtp-draft {max_draft}: must be in 1..16")
+        if not margin >= 0:
+            raise ValueError(f"--mtp-margin {margin}: must not be negative")
+        self.mtp = MtpHead(target, weights)
+        self.max_draft = max_draft
+        self.margin = float(margin)
+        self._pend_h = np.zeros((0, target.hp.n_embd), np.float32)
+        self._pend_tokens: list[int] = []
+        self._pos = 0  # head rows [0, _pos) are computed from the target's true hidden states
+
+    def start(self, prompt, prefill) -> None:
+        self.mtp.cache.clear()
+        self._pos = 0
+        # rows 0..P-1; row P-1 pairs with the anchor, known at the first propose()
+        self._pend_h = prefill.final_hidden
+        self._pend_tokens = list(prompt[1:])
+
+    def propose(self, anchor, max_tokens, sampler, rng) -> Proposal:
+        n = min(self.max_draft, max_tokens)
+        tokens = self._pend_tokens + [int(anchor)]
+        y = self.mtp.run(self._pend_h, tokens, self._pos)[-1:]
+        self._pos += len(tokens)
+        self._pend_tokens = []
+        drafts, qs, cut = [], [], False
+        for j in range(n):
+            normed, logits = self.mtp.head(y)
+            row = logits[0]
+            if self.margin > 0:
+                top2 = np.partition(row, -2)[-2:]
+                if float(top2[1] - top2[0]) < self.margin:
+                    cut = True
+                    break
+            if sampler.greedy:
+                d = int(np.argmax(row))
+            else:
+                q = sampler.distribution(row)
+                d = draw(q, rng)
+                qs.append(q)
+            drafts.append(d)
+            if j + 1 < n:
+                y = self.mtp.run(normed, [d], self._pos + j)
+        return Proposal(drafts, np.stack(qs) if qs else None, cut=cut)
+
+    def commit(self, anchor, proposal, n_accepted, verify) -> None:
+        # rows from the recursion used the head's own state: drop them, then queue the
+        # committed positions with the target's real hidden states
+        self.mtp.cache.truncate(self._pos)
+        self._pend_h = verify.final_hidden[: n_accepted + 1]
+        self._pend_tokens = [int(t) for t in proposal.tokens[:n_accepted]]
+
+    def describe(self) -> str:
+        src = self.mtp.w.source or "MTP head"
+        m = f", margin {self.margin:g}" if self.margin > 0 else ""
+        return f"mtp: {src}, draft depth {self.max_draft}{m}"
