@@ -143,17 +143,53 @@ def inspect_cmd(file, as_json, tensors, keys, target):
 @click.option("--cache-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
               help="KV cache storage.")
 @click.option("--exact", is_flag=True, help="Float32 activations in every matmul (no int8 path).")
-@click.option("--stats", is_flag=True, help="Print token counts and speeds to stderr.")
+@click.option("--stats", is_flag=True,
+              help="Print token counts and speeds to stderr (and drafting statistics).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, stats).")
+@click.option("--mtp", "mtp_file", type=click.Path(), metavar="FILE",
+              help="Support GGUF to draft with: an MTP head (ds4's mtp.0.* layout), or with "
+                   "--dspark a DSpark draft. Checked against the model at load.")
+@click.option("--mtp-draft", type=int, metavar="N",
+              help="MTP: most autoregressive drafts per step, 1..16 [default: 3].")
+@click.option("--mtp-margin", type=float, metavar="F",
+              help="MTP: stop drafting at the first draft whose top-1 minus top-2 logit is "
+                   "below F [default: 0 = off; ds4 uses 3 on DeepSeek V4's logit scale].")
+@click.option("--glm-mtp", is_flag=True,
+              help="Draft with the NextN layer embedded in the model GGUF (no --mtp file).")
+@click.option("--glm-mtp-timing", is_flag=True,
+              help="Per-step timing and acceptance on stderr (alone, implies --glm-mtp).")
+@click.option("--dspark", is_flag=True,
+              help="Draft with the DSpark draft given with --mtp (without -m: the demo's).")
+@click.option("--dspark-block-size", type=int, metavar="N",
+              help="DSpark: most drafts per block, at most the trained block [default: trained].")
+@click.option("--dspark-confidence", type=float, metavar="F",
+              help="DSpark: cut the block at the first position whose confidence is below F, "
+                   "0..1 [default: 0 = no cut]. Decided before verification: lossless.")
+@click.option("--dspark-strict", is_flag=True,
+              help="DSpark: commit a block only if every draft is accepted, else only its first "
+                   "token. Lossless at --temp 0 only; refused with sampling.")
+@click.option("--lookup", type=int, metavar="N",
+              help="Prompt lookup: draft up to N tokens copied after the latest earlier match of "
+                   "the last 3/2/1 tokens (no model).")
 def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, seed, ctx, threads,
-            cache_type, exact, stats, as_json):
-    """Generate a continuation of a prompt (printed as it comes, without the prompt)."""
+            cache_type, exact, stats, as_json, mtp_file, mtp_draft, mtp_margin, glm_mtp,
+            glm_mtp_timing, dspark, dspark_block_size, dspark_confidence, dspark_strict, lookup):
+    """Generate a continuation of a prompt (printed as it comes, without the prompt).
+
+    Speculative decoding (lossless: greedy output is token-identical to plain decoding, sampled
+    output has the same distribution) drafts with an MTP head (--mtp FILE, --glm-mtp), a DSpark
+    draft (--mtp FILE --dspark) or prompt lookup (--lookup N)."""
     from .engine.run import run
+    from .engine.spec.config import SpecConfig
+    spec = SpecConfig(mtp_file=mtp_file, glm_mtp=glm_mtp, dspark=dspark, mtp_draft=mtp_draft,
+                      mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
+                      dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,
+                      lookup=lookup, timing=glm_mtp_timing)
     with _reported_errors():
         code = run(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
                    temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
                    threads=threads, cache_type=cache_type, exact=exact, stats=stats,
-                   as_json=as_json)
+                   as_json=as_json, spec=spec if spec.active else None)
     sys.exit(code)
 
 

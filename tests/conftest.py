@@ -62,3 +62,24 @@ def gguf_llama_f32(hf_llama, tmp_path_factory):
 def gguf_qwen3_f32(hf_qwen3, tmp_path_factory):
     """hf_qwen3 converted to an F32 GGUF (llama.cpp's `qwen3` layout)."""
     return _convert(hf_qwen3, tmp_path_factory.mktemp("gguf") / "tiny-qwen3-f32.gguf", "F32")
+
+
+@pytest.fixture(scope="session")
+def spec_files(hf_qwen3_nextn, tmp_path_factory):
+    """A Q8_0 qwen3 target (hf_qwen3_nextn) with its support files for speculative decoding:
+    target.gguf, mtp.gguf (its NextN layer, ds4 layout), target-nextn.gguf (the NextN layer
+    embedded), draft.gguf (a synthetic 2-layer DSpark draft, block 4, llama.cpp layout)."""
+    from ds4tools.quantize import QuantizeOptions, quantize_model
+    from tests.fixtures import support_models
+    d = tmp_path_factory.mktemp("spec-files")
+    quiet = lambda msg: None  # noqa: E731
+    quantize_model(hf_qwen3_nextn, d / "target.gguf",
+                   QuantizeOptions("Q8_0", mtp_out=str(d / "mtp.gguf"), progress=False), report=quiet)
+    quantize_model(hf_qwen3_nextn, d / "target-nextn.gguf",
+                   QuantizeOptions("Q8_0", keep_nextn=True, progress=False), report=quiet)
+    draft_dir, _ = support_models.build_tiny_dspark_qwen3(d / "dspark-hf", hf_qwen3_nextn, n_layers=2,
+                                                          block_size=4, target_layer_ids=(0, 1))
+    quantize_model(draft_dir, None, QuantizeOptions("Q8_0", dspark_out=str(d / "draft.gguf"),
+                                                    target=str(hf_qwen3_nextn), progress=False),
+                   report=quiet)
+    return d

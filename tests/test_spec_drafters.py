@@ -12,27 +12,13 @@ from ds4tools.engine.spec import PromptLookupDrafter, SpecStats, speculative_dec
 from ds4tools.engine.spec.dspark import DSparkDrafter
 from ds4tools.engine.spec.load import mtp_from_nextn, open_support_for
 from ds4tools.engine.spec.mtp import MtpDrafter
-from ds4tools.quantize import QuantizeOptions, quantize_model
-from tests.fixtures import support_models
 
 GREEDY = Sampler(temperature=0.0)
-QUIET = lambda m: None  # noqa: E731
 
 
 @pytest.fixture(scope="module")
-def files(hf_qwen3_nextn, tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec-drafters")
-    quantize_model(hf_qwen3_nextn, d / "target.gguf",
-                   QuantizeOptions("Q8_0", mtp_out=str(d / "mtp.gguf"), progress=False), report=QUIET)
-    quantize_model(hf_qwen3_nextn, d / "target-nextn.gguf",
-                   QuantizeOptions("Q8_0", keep_nextn=True, progress=False), report=QUIET)
-    draft_dir, _ = support_models.build_tiny_dspark_qwen3(d / "dspark-hf", hf_qwen3_nextn,
-                                                          n_layers=2, block_size=4,
-                                                          target_layer_ids=(0, 1))
-    quantize_model(draft_dir, None, QuantizeOptions("Q8_0", dspark_out=str(d / "draft.gguf"),
-                                                    target=str(hf_qwen3_nextn), progress=False),
-                   report=QUIET)
-    return d
+def files(spec_files):
+    return spec_files
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ class Engine:
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
                  cache_type: str = "f32", exact: bool = False, int8: str = "default",
-                 chunk: int = DEFAULT_CHUNK, progress: bool = True):
+                 chunk: int = DEFAULT_CHUNK, progress: bool = True, spec=None):
         if int8 not in INT8_MODES:
             raise UsageError(f"unknown int8 mode {int8!r} (use {', '.join(INT8_MODES)})")
         if cache_type not in CACHE_TYPES:
@@ -81,9 +81,13 @@ class Engine:
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"--ctx {n_ctx}: must be at least 1")
         self.threads = set_threads(threads)
+        model_path_was_default = model_path is None
         if model_path is None:
-            from .demo import demo_model_path
-            model_path = demo_model_path(progress=progress)
+            from .demo import demo_model_path, demo_support_path
+            if spec is not None and spec.active and spec.resolved(temperature=0.0).glm_mtp:
+                model_path = demo_support_path("nextn", progress=progress)  # carries its NextN layer
+            else:
+                model_path = demo_model_path(progress=progress)
         path = os.fspath(model_path)
         if os.path.isdir(path):
             raise UsageError(about(path, "is a directory; convert it first with "
@@ -112,6 +116,11 @@ class Engine:
         self.model = Transformer(self.hparams, self.weights, n_ctx=ctx, cache_type=cache_type,
                                  chunk=chunk)
         self.last_stats: GenerationStats | None = None
+        self.last_spec_stats = None
+        self.spec = None
+        self.drafter = None
+        if spec is not None and spec.active:
+            self.set_spec(spec, demo=model_path_was_default, progress=progress)
 
     # --- pieces ---------------------------------------------------------------------------------
 
@@ -144,6 +153,21 @@ class Engine:
         self.exact = mode == "none"
         self.weights.set_int8(mode)
 
+    # --- speculative decoding ---------------------------------------------------------------
+
+    def set_spec(self, spec, demo: bool = False, progress: bool = True) -> None:
+        """Draft with what ``spec`` (a SpecConfig, ds4's flags) asks for; loads and validates the
+        support file against this model. ``demo``: the model is the bundled demo, whose DSpark
+        draft is used when --dspark comes without a file."""
+        from .spec.config import build_drafter
+        spec = spec.resolved(temperature=0.0)
+        dspark_default = None
+        if demo and spec.dspark and spec.mtp_file is None:
+            from .demo import demo_support_path
+            dspark_default = str(demo_support_path("dspark", progress=progress))
+        self.spec = spec
+        self.drafter = build_drafter(self, spec, dspark_default)
+
     # --- generation ---------------------------------------------------------------------------
 
     def prompt_tokens(self, prompt: str) -> list[int]:
@@ -174,6 +198,8 @@ class Engine:
             sampler = sampler or Sampler(temperature, top_k, top_p, min_p)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.spec is not None:
+            self.spec.resolved(temperature=sampler.temperature)  # e.g. strict mode needs greedy
         if seed is None:
             seed = secrets.randbits(32)
         stats = GenerationStats(seed=int(seed))
@@ -186,8 +212,19 @@ class Engine:
         # tokens comes out with its last byte. One left unfinished at the very end is dropped.
         text = self.tokenizer.stream()
         eog = self.tokenizer.eog_ids if stop_at_eog else frozenset()
-        for tok in decode(self.model, ids, max_tokens, sampler, rng, eog, stats):
+        if self.drafter is None:
+            tokens = decode(self.model, ids, max_tokens, sampler, rng, eog, stats)
+        else:
+            from .spec import SpecStats, speculative_decode
+            self.last_spec_stats = SpecStats(method=self.drafter.name)
+            tokens = speculative_decode(self.model, self.drafter, ids, max_tokens, sampler, rng, eog,
+                                        stats, self.last_spec_stats, strict=self.spec.dspark_strict,
+                                        on_step=self.on_spec_step)
+        for tok in tokens:
             yield GeneratedToken(tok, text.feed(tok))
+
+    #: per-step hook of speculative decoding (``--glm-mtp-timing`` sets one that logs)
+    on_spec_step = None
 
     def close(self) -> None:
         """Release the model: the weights (views of the memory-mapped file) and the cache.

@@ -63,3 +63,38 @@ def demo_model_path(progress: bool = True, report=None) -> Path:
     quantize_model(src, target, QuantizeOptions(DEMO_TYPE, progress=progress, overwrite=True),
                    report=lambda msg: None)
     return target
+
+
+#: the demo's support files: name -> (what it is, how it is made)
+SUPPORT_KINDS = ("nextn", "mtp", "dspark")
+
+
+def demo_support_path(kind: str, progress: bool = True, report=None) -> Path:
+    """A support file of the demo, converted into the cache on first use:
+    "nextn" the target with its NextN layer embedded (for --glm-mtp), "mtp" the ds4-layout MTP
+    head, "dspark" the DSpark draft in llama.cpp's layout (from the sibling ``dspark/``)."""
+    if kind not in SUPPORT_KINDS:
+        raise ValueError(f"unknown demo support kind {kind!r}")
+    src = demo_source()
+    draft_src = src.parent / "dspark"
+    if not (src / "config.json").is_file() or (kind == "dspark" and not (draft_src / "config.json").is_file()):
+        raise UsageError(f"{src.parent}: the bundled demo model is not installed; pass files with -m / --mtp")
+    tag = source_hash(src) + (source_hash(draft_src) if kind == "dspark" else "")
+    out = cache_dir() / f"demo-{tag[:24]}-{kind}-{DEMO_TYPE.lower()}.gguf"
+    if out.is_file():
+        return out
+    from ..quantize import QuantizeOptions, quantize_model
+    say = report or (lambda msg: print(msg, file=sys.stderr))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"ds4tools: preparing the demo's {kind} file (first use): -> {out}")
+    quiet = lambda msg: None  # noqa: E731
+    if kind == "nextn":
+        quantize_model(src, out, QuantizeOptions(DEMO_TYPE, keep_nextn=True, progress=progress,
+                                                 overwrite=True), report=quiet)
+    elif kind == "mtp":
+        quantize_model(src, None, QuantizeOptions(DEMO_TYPE, mtp_out=str(out), only_support=True,
+                                                  progress=progress, overwrite=True), report=quiet)
+    else:
+        quantize_model(draft_src, None, QuantizeOptions(DEMO_TYPE, dspark_out=str(out), target=str(src),
+                                                        progress=progress, overwrite=True), report=quiet)
+    return out

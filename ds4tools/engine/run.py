@@ -35,15 +35,23 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, top_k=40,
         top_p=0.95, min_p=0.05, seed=None, ctx=None, threads=None, cache_type="f32",
-        exact=False, stats=False, as_json=False, stdout=None, stderr=None) -> int:
-    """Run one generation; returns the exit code (0, or 130 when interrupted)."""
+        exact=False, stats=False, as_json=False, spec=None, stdout=None, stderr=None) -> int:
+    """Run one generation; returns the exit code (0, or 130 when interrupted).
+
+    ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding."""
     from .api import Engine
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr
     text = read_prompt(prompt, prompt_file)
     if n_predict < 0:
         raise UsageError(f"-n {n_predict}: must not be negative")
-    engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact)
+    if spec is not None:
+        spec = spec.resolved(temperature=temp)  # refuse wrong combinations before loading
+    engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
+    if engine.drafter is not None:
+        print(f"ds4tools: {engine.drafter.describe()}", file=err)
+        if engine.spec.timing:
+            engine.on_spec_step = _step_logger(err)
     pieces, ids = [], []
     code = 0
     try:
@@ -60,13 +68,29 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     st = engine.last_stats
+    sp = engine.last_spec_stats
     if as_json:
         doc = {"model": engine.path, "text": "".join(pieces), "tokens": ids, "stats": st.as_dict()}
+        if sp is not None:
+            doc["stats"]["speculative"] = sp.as_dict()
         out.write((json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8"))
     else:
         out.write(b"\n")
     out.flush()
     if stats:
-        for line in st.summary_lines():
+        for line in st.summary_lines() + (sp.summary_lines() if sp is not None else []):
             print(line, file=err)
     return code
+
+
+def _step_logger(err):
+    """--glm-mtp-timing: one stderr line per speculative step (ds4's mtp timing lines)."""
+    last = {"draft": 0.0, "verify": 0.0}
+
+    def log(spec, proposal, n_accepted, seconds):
+        draft, verify = spec.draft_seconds - last["draft"], spec.target_verify_seconds - last["verify"]
+        last["draft"], last["verify"] = spec.draft_seconds, spec.target_verify_seconds
+        print(f"ds4tools: {spec.method} step {spec.steps}: drafted={len(proposal)} "
+              f"accepted={n_accepted}{' cut' if proposal.cut else ''} draft={1e3 * draft:.3f} ms "
+              f"verify={1e3 * verify:.3f} ms total={1e3 * seconds:.3f} ms", file=err)
+    return log
