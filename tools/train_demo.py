@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     if args.bench:
         from demo.bench import bench
-        result = bench(plan, log)
+        result = bench(plan, log, 2 if args.threads == "auto" else int(args.threads))
         write_json(work / "step_times.json", result)
         return 0
 

@@ -1,6 +1,7 @@
 """Per-step times of every stage at the plan's shapes, on random data (run it on an idle machine)."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -15,18 +16,21 @@ from .train_mtp import mtp_losses
 from .train_target import make_optimizer
 
 
-def _best(fn, warm: int = 2, reps: int = 5) -> float:
+def _best(fn, warm: int = 2, reps: int = 5) -> dict:
+    """Best wall time and best process CPU time per call (CPU time barely moves with contention)."""
     for _ in range(warm):
         fn()
-    times = []
+    walls, cpus = [], []
     for _ in range(reps):
-        t = time.time()
+        t, c = time.time(), time.process_time()
         fn()
-        times.append(time.time() - t)
-    return min(times)
+        walls.append(time.time() - t)
+        cpus.append(time.process_time() - c)
+    return {"seconds_per_step": round(min(walls), 4), "cpu_seconds_per_step": round(min(cpus), 4),
+            "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 2)}
 
 
-def bench(plan: Plan, log: Log) -> dict:
+def bench(plan: Plan, log: Log, threads: int = 2) -> dict:
     torch.manual_seed(0)
     s, d = TargetShape(), DraftShape()
     target = Qwen3Target(s)
@@ -46,7 +50,8 @@ def bench(plan: Plan, log: Log) -> dict:
         loss.backward()
         opt.step()
 
-    out["target"] = {"seconds_per_step": _best(target_step),
+    torch.set_num_threads(threads)
+    out["target"] = {**_best(target_step),
                      "what": f"fwd+bwd+AdamW, {plan.target_batch}x{plan.target_seq} tokens"}
     log(f"bench target {out['target']['seconds_per_step']:.3f} s/step")
 
@@ -60,7 +65,7 @@ def bench(plan: Plan, log: Log) -> dict:
         (kl + ce).backward()
         mopt.step()
 
-    out["mtp"] = {"seconds_per_step": _best(mtp_step),
+    out["mtp"] = {**_best(mtp_step),
                   "what": f"frozen target fwd + MTP fwd/bwd, {plan.mtp_batch}x{plan.mtp_seq}"}
     log(f"bench mtp {out['mtp']['seconds_per_step']:.3f} s/step")
 
@@ -76,7 +81,7 @@ def bench(plan: Plan, log: Log) -> dict:
             rollout(target, ids, anchors, d.block_size, temps, torch.Generator().manual_seed(0),
                     capture=d.target_layer_ids)
 
-    out["dspark_data"] = {"seconds_per_step": _best(data_step, 1, 3),
+    out["dspark_data"] = {**_best(data_step, 1, 3),
                           "what": f"{nb} windows x {a} anchors x 2 rollouts"}
     log(f"bench dspark data {out['dspark_data']['seconds_per_step']:.3f} s/shard")
 
@@ -85,11 +90,13 @@ def bench(plan: Plan, log: Log) -> dict:
         p.requires_grad_(False)
     dopt = make_optimizer(list(draft.parameters()), 1e-3, 0.0)
     w = plan.ds_windows_per_step
+    greedy = plan.ds_anchors_per_step or a
+    blocks = greedy + (greedy if plan.ds_sampled_per_step < 0 else plan.ds_sampled_per_step)
     feats = torch.randn(w, t_len, len(d.target_layer_ids) * s.hidden_size)
     dids = torch.randint(0, v, (w, t_len))
-    danchors = anchors[:w]
-    roll = torch.randint(0, v, (w, 2 * a, d.block_size))
-    roll_hidden = torch.randn(w, 2 * a, d.block_size, s.hidden_size)
+    danchors = torch.sort(torch.randint(plan.ds_min_anchor, t_len, (w, blocks)), dim=1).values
+    roll = torch.randint(0, v, (w, blocks, d.block_size))
+    roll_hidden = torch.randn(w, blocks, d.block_size, s.hidden_size)
 
     def draft_step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -98,7 +105,7 @@ def bench(plan: Plan, log: Log) -> dict:
         loss.backward()
         dopt.step()
 
-    out["dspark"] = {"seconds_per_step": _best(draft_step),
-                     "what": f"{w} windows x {2 * a} blocks, fwd+bwd+AdamW"}
+    out["dspark"] = {**_best(draft_step),
+                     "what": f"{w} windows x {blocks} blocks, fwd+bwd+AdamW"}
     log(f"bench dspark {out['dspark']['seconds_per_step']:.3f} s/step")
     return out

@@ -28,21 +28,23 @@ class Plan:
     target_long_from: float = 0.85  # the last 15% of steps use 1024-token windows (same tokens/step)
     target_eval_every: int = 1000
     # MTP
-    mtp_steps: int = 900
+    mtp_steps: int = 1200
     mtp_batch: int = 16
     mtp_seq: int = 512
     mtp_lr: float = 2e-3
     # DSpark self-distilled data
-    ds_windows: int = 1800
+    ds_windows: int = 4000
     ds_window_len: int = 512
     ds_anchors_per_window: int = 64
     ds_min_anchor: int = 16
     ds_gen_batch: int = 8  # windows per generation pass
     # DSpark training
-    ds_steps: int = 3000
-    ds_windows_per_step: int = 2
-    ds_lr: float = 1.5e-3
-    ds_warmup: int = 60
+    ds_steps: int = 6000
+    ds_windows_per_step: int = 8
+    ds_anchors_per_step: int = 32  # anchors drawn from each window per step (0 = all)
+    ds_sampled_per_step: int = 16  # of those, how many also train on their T=1 rollout (-1 = all)
+    ds_lr: float = 3e-3
+    ds_warmup: int = 100
     # evaluation
     eval_segment: int = 512
     eval_anchor_stride: int = 3
@@ -58,7 +60,8 @@ def smoke_plan() -> Plan:
     return replace(
         Plan(), target_steps=12, target_batch=4, target_seq=128, target_warmup=3,
         target_eval_every=6, mtp_steps=6, mtp_batch=4, mtp_seq=128, ds_windows=8, ds_window_len=128,
-        ds_anchors_per_window=8, ds_gen_batch=4, ds_steps=8, ds_warmup=2, eval_segment=128,
+        ds_anchors_per_window=8, ds_gen_batch=4, ds_steps=8, ds_warmup=2, ds_anchors_per_step=4,
+        ds_sampled_per_step=2, eval_segment=128,
         eval_anchor_stride=16, eval_gen_tokens=32, checkpoint_every=5, log_every=2,
     )
 

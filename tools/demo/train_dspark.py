@@ -71,13 +71,24 @@ def propose(draft: DSparkDraft, target: Qwen3Target, hid, anchor_tok, margins: b
     return out + (torch.stack(gaps, -1),) if margins else out
 
 
-def batch_tensors(data: dict, windows: np.ndarray):
+def batch_tensors(data: dict, windows: np.ndarray, rng: np.random.Generator | None = None, per_window: int = 0,
+                  sampled_per_window: int | None = None):
+    """Tensors for the given windows; with rng, only `per_window` random anchors of each window
+    (their greedy rollouts, and the sampled rollouts of the first `sampled_per_window` of them),
+    so a step sees more windows for the same number of blocks."""
     ids = torch.from_numpy(data["ids"][windows].astype(np.int64))
     feats = torch.from_numpy(data["features"][windows].astype(np.float32))
-    anchors = torch.from_numpy(data["anchors"][windows].astype(np.int64))
-    anchors = torch.cat([anchors, anchors], dim=1)  # greedy rows, then sampled rows
-    roll = torch.from_numpy(data["roll_tokens"][windows].astype(np.int64))
-    roll_hidden = torch.from_numpy(data["roll_hidden"][windows].astype(np.float32))
+    a_count = data["anchors"].shape[1]
+    if rng is None or per_window <= 0 or per_window >= a_count:
+        pick = np.tile(np.arange(a_count), (len(windows), 1))
+    else:
+        pick = np.stack([np.sort(rng.choice(a_count, per_window, replace=False)) for _ in windows])
+    n_sampled = pick.shape[1] if sampled_per_window is None else sampled_per_window
+    rows = np.concatenate([pick, pick[:, :n_sampled] + a_count], axis=1)  # greedy rows, then sampled
+    w_idx = np.asarray(windows)[:, None]
+    anchors = torch.from_numpy(data["anchors"][w_idx, rows % a_count].astype(np.int64))
+    roll = torch.from_numpy(data["roll_tokens"][w_idx, rows].astype(np.int64))
+    roll_hidden = torch.from_numpy(data["roll_hidden"][w_idx, rows].astype(np.float32))
     return ids, feats, anchors, roll, roll_hidden
 
 
@@ -160,9 +171,11 @@ def train_dspark(plan: Plan, work: Path, log: Log) -> dict:
         epoch, offset = divmod(step * per_step, train_n)
         order = step_rng(plan.seed, "dspark-epoch", epoch).permutation(train_n)
         windows = order[np.arange(offset, offset + per_step) % train_n]
+        batch = batch_tensors(data, windows, step_rng(plan.seed, "dspark-anchors", step), plan.ds_anchors_per_step,
+                              plan.ds_sampled_per_step if plan.ds_sampled_per_step >= 0 else None)
         draft.train()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, stats = dspark_loss(draft, target, *batch_tensors(data, windows))
+            loss, stats = dspark_loss(draft, target, *batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -186,10 +199,13 @@ def train_dspark(plan: Plan, work: Path, log: Log) -> dict:
             save_atomic({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1,
                          "history": history, "val": val_history, "compute_s": compute_s}, ckpt_path)
     torch.save(draft.state_dict(), work / "dspark_final.pt")
+    greedy_rows = plan.ds_anchors_per_step or data["anchors"].shape[1]
+    blocks_per_window = greedy_rows + (greedy_rows if plan.ds_sampled_per_step < 0 else plan.ds_sampled_per_step)
     metrics = {
         "steps": plan.ds_steps, "windows_per_step": per_step,
-        "blocks_per_step": per_step * 2 * data["anchors"].shape[1],
-        "epochs": plan.ds_steps * per_step / train_n, "wall_s": round(compute_s, 1),
+        "blocks_per_step": per_step * blocks_per_window,
+        "epochs": plan.ds_steps * per_step * blocks_per_window / (train_n * 2 * data["anchors"].shape[1]),
+        "wall_s": round(compute_s, 1),
         "parameters_trainable": sum(p.numel() for p in params),
         "loss": f"{CE_W}*CE + {L1_W}*L1(p_draft, p_target) + {CONF_W}*BCE(conf, 1 - L1/2), "
                 f"weights exp(-k/{DECAY_GAMMA:g})",
