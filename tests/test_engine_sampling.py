@@ -93,3 +93,23 @@ def test_distribution_is_a_pure_function():
 def test_bad_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         Sampler(**kw)
+
+
+def test_distribution_kernel_equals_the_candidate_filters():
+    """The compiled distribution (fast paths without sorting) equals the filters spelled out by
+    ``Sampler.candidates``: same support, same probabilities to float64 rounding."""
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        n = int(rng.integers(2, 300))
+        lg = (rng.standard_normal(n) * rng.uniform(0.1, 5)).astype(np.float32)
+        if trial % 3 == 0:
+            lg = np.round(lg)  # ties
+        s = Sampler(float(rng.uniform(0.2, 2)), int(rng.choice([0, 1, 3, 40, 1000])),
+                    float(rng.choice([1.0, 0.9, 0.5, 0.1])), float(rng.choice([0, 0.05, 0.3])))
+        ids = s.candidates(lg)
+        ref = np.zeros(n)
+        z = (lg[ids].astype(np.float64) - float(lg[ids[0]])) / s.temperature
+        ref[ids] = np.exp(z) / np.exp(z).sum()
+        got = s.distribution(lg)
+        np.testing.assert_array_equal(got > 0, ref > 0)
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-15)

@@ -9,6 +9,7 @@ token: a row's logits are bit-identical whether its token was decoded alone or i
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterator
 
@@ -60,6 +61,8 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
     cache = model.cache
     cache.clear()
     layers, want_final = drafter.hidden_layers, drafter.wants_final_hidden
+    # the drafter runs the target's kernels: the same thread setting as the target's forward
+    threads = getattr(model, "threads", contextlib.nullcontext)
     try:
         if max_tokens <= 0:
             stats.stop_reason = "length"
@@ -68,7 +71,8 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
         pre = model.forward(prompt, 0, hidden_layers=layers, want_final_hidden=want_final,
                             logits="last")
         token = sampler.sample(pre.logits[-1], rng)
-        drafter.start(list(prompt), pre)
+        with threads():
+            drafter.start(list(prompt), pre)
         stats.prefill_seconds = clock() - t0
         pos = len(prompt)
         if calibrate and pos < model.n_ctx:
@@ -89,7 +93,8 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
 
             step_start = clock()
             limit = min(max_tokens - stats.generated_tokens, model.n_ctx - pos - 1)
-            proposal = drafter.propose(token, limit, sampler, rng) if limit > 0 else Proposal()
+            with threads():
+                proposal = drafter.propose(token, limit, sampler, rng) if limit > 0 else Proposal()
             t_drafted = clock()
             drafts = [int(t) for t in proposal.tokens]
             if len(drafts) > limit:
@@ -107,7 +112,8 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
                 m, nxt = 0, (drafts[0] if m >= 1 else nxt)
             t_accepted = clock()
             cache.truncate(pos + 1 + m)
-            drafter.commit(token, proposal, m, verify)
+            with threads():
+                drafter.commit(token, proposal, m, verify)
             t_committed = clock()
 
             spec.record_step(len(drafts), len(drafts), m, proposal.cut)

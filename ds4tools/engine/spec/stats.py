@@ -46,6 +46,24 @@ class SpecStats:
         for i in range(n_accepted):
             self.kept[i] += 1
 
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """Add another run's counts and times into this one (e.g. over a prompt set)."""
+        for name in ("steps", "drafted", "verified", "accepted", "confidence_cuts", "strict_fallbacks",
+                     "target_verify_seconds", "draft_seconds", "sampling_seconds", "other_seconds",
+                     "decode_tokens", "decode_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("accepted_hist", "reached", "kept"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if len(mine) < len(theirs):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        # calibration: keep the fastest plain step seen (the least disturbed measurement)
+        for name in ("single_forward_seconds", "plain_step_seconds"):
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(self, name, min(a, b) if a > 0 and b > 0 else max(a, b))
+        return self
+
     @property
     def tau(self) -> float:
         return 1.0 + self.accepted / self.steps if self.steps else 0.0
