@@ -50,6 +50,10 @@ class DSparkWeights:
     source: str = ""
 
 
+#: largest (V x V) float32 Markov table kept in memory (vocabularies up to 4096 tokens)
+MARKOV_TABLE_BYTES = 64 << 20
+
+
 def _sigmoid(v: float) -> float:
     return 1.0 / (1.0 + np.exp(-v)) if v >= 0 else np.exp(v) / (1.0 + np.exp(v))
 
@@ -80,6 +84,15 @@ class DSparkDrafter(Drafter):
         self.rows = max(B, target.chunk)
         self.ws = Workspace(hp, self.rows)
         self.n_ctx_rows = 0
+        # The Markov bias W2 . W1[prev] depends only on the previous token: for a small
+        # vocabulary keep the whole (V, V) table (the demo's: 16 MB) and look rows up, instead
+        # of a (V x rank) matrix-vector product per drafted position.
+        V = target.hp.n_vocab
+        self.markov_table = None
+        if V * V * 4 <= MARKOV_TABLE_BYTES:
+            w1 = weights.markov_w1.dequantize()                      # (V, rank)
+            w2 = weights.markov_w2.dequantize()                      # (V, rank)
+            self.markov_table = np.ascontiguousarray(w1 @ w2.T, np.float32)  # [prev, token]
 
     # --- context rows ---------------------------------------------------------------------------
 
@@ -164,8 +177,11 @@ class DSparkDrafter(Drafter):
                 if self.threshold > 0 and c < self.threshold:
                     cut = True
                     break
-            w.markov_w2.matmul(m, bias)
-            z = U[k] + bias[0]
+            if self.markov_table is not None:
+                z = U[k] + self.markov_table[prev]
+            else:
+                w.markov_w2.matmul(m, bias)
+                z = U[k] + bias[0]
             if sampler.greedy:
                 d = int(np.argmax(z))
             else:
