@@ -177,33 +177,39 @@ def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: str) -> Linea
     return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in), int8=int8_for(fmt, int8))
 
 
+def load_layer(tensors: dict, prefix: str, hp: HParams, int8: str) -> LayerWeights:
+    """One llama/qwen3 decoder layer from tensors named ``<prefix><part>.weight`` (the
+    model's ``blk.N.``, or an MTP head's / a DSpark draft's layers). q/k norms are required for
+    qwen3 and read when present otherwise."""
+    p = prefix
+    H, Q, KV = hp.n_embd, hp.n_q, hp.n_kv
+    qk_norm = hp.arch == "qwen3" or (p + "attn_q_norm.weight") in tensors
+    return LayerWeights(
+        attn_norm=_vector(tensors, p + "attn_norm.weight", H),
+        wq=_linear(tensors, p + "attn_q.weight", Q, H, int8),
+        wk=_linear(tensors, p + "attn_k.weight", KV, H, int8),
+        wv=_linear(tensors, p + "attn_v.weight", KV, H, int8),
+        wo=_linear(tensors, p + "attn_output.weight", H, Q, int8),
+        ffn_norm=_vector(tensors, p + "ffn_norm.weight", H),
+        w_gate=_linear(tensors, p + "ffn_gate.weight", hp.n_ff, H, int8),
+        w_up=_linear(tensors, p + "ffn_up.weight", hp.n_ff, H, int8),
+        w_down=_linear(tensors, p + "ffn_down.weight", H, hp.n_ff, int8),
+        q_norm=_vector(tensors, p + "attn_q_norm.weight", hp.head_dim, required=qk_norm),
+        k_norm=_vector(tensors, p + "attn_k_norm.weight", hp.head_dim, required=qk_norm),
+        bq=_vector(tensors, p + "attn_q.bias", Q, required=False),
+        bk=_vector(tensors, p + "attn_k.bias", KV, required=False),
+        bv=_vector(tensors, p + "attn_v.bias", KV, required=False),
+        bo=_vector(tensors, p + "attn_output.bias", H, required=False),
+    )
+
+
 def load_weights(tensors: dict, hp: HParams, *, int8: str = "default") -> ModelWeights:
     """ModelWeights from GGUF tensors (name -> TensorRef: .shape, .ggml_type, .type_name, .raw(),
     .to_float32()), llama.cpp's names. Raises WeightsError on a missing or misshapen tensor.
     ``int8``: the matmul path mode (see int8_for)."""
     int8_for(formats.get_format("F32"), int8)  # validates the mode
-    H, Q, KV = hp.n_embd, hp.n_q, hp.n_kv
-    layers = []
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        qk_norm = hp.arch == "qwen3"
-        layers.append(LayerWeights(
-            attn_norm=_vector(tensors, p + "attn_norm.weight", H),
-            wq=_linear(tensors, p + "attn_q.weight", Q, H, int8),
-            wk=_linear(tensors, p + "attn_k.weight", KV, H, int8),
-            wv=_linear(tensors, p + "attn_v.weight", KV, H, int8),
-            wo=_linear(tensors, p + "attn_output.weight", H, Q, int8),
-            ffn_norm=_vector(tensors, p + "ffn_norm.weight", H),
-            w_gate=_linear(tensors, p + "ffn_gate.weight", hp.n_ff, H, int8),
-            w_up=_linear(tensors, p + "ffn_up.weight", hp.n_ff, H, int8),
-            w_down=_linear(tensors, p + "ffn_down.weight", H, hp.n_ff, int8),
-            q_norm=_vector(tensors, p + "attn_q_norm.weight", hp.head_dim, required=qk_norm),
-            k_norm=_vector(tensors, p + "attn_k_norm.weight", hp.head_dim, required=qk_norm),
-            bq=_vector(tensors, p + "attn_q.bias", Q, required=False),
-            bk=_vector(tensors, p + "attn_k.bias", KV, required=False),
-            bv=_vector(tensors, p + "attn_v.bias", KV, required=False),
-            bo=_vector(tensors, p + "attn_output.bias", H, required=False),
-        ))
+    H = hp.n_embd
+    layers = [load_layer(tensors, f"blk.{i}.", hp, int8) for i in range(hp.n_layer)]
     token_embd = _linear(tensors, "token_embd.weight", hp.n_vocab, H, "none")
     tied = "output.weight" not in tensors
     if tied:  # the same bytes, as a separate Linear so its matmul path can differ

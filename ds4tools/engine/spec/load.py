@@ -10,37 +10,9 @@ from ...errors import InvalidContentError, UsageError, about
 from ...support.detect import MTP as MTP_KIND
 from ...support.support_file import open_support
 from ..hparams import HParams
-from ..weights import LayerWeights, WeightsError, _linear, _vector
+from ..weights import WeightsError, _linear, _vector, load_layer
 from .dspark import DSparkWeights
 from .mtp import MtpHeadWeights
-
-_LAYER_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
-                "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def load_layer(tensors: dict, prefix: str, hp: HParams, int8: str) -> LayerWeights:
-    """A llama/qwen3 decoder layer from tensors named ``<prefix><part>.weight``."""
-    p = prefix
-    H, Q, KV = hp.n_embd, hp.n_q, hp.n_kv
-    qk = hp.arch == "qwen3" or (p + "attn_q_norm.weight") in tensors
-    return LayerWeights(
-        attn_norm=_vector(tensors, p + "attn_norm.weight", H),
-        wq=_linear(tensors, p + "attn_q.weight", Q, H, int8),
-        wk=_linear(tensors, p + "attn_k.weight", KV, H, int8),
-        wv=_linear(tensors, p + "attn_v.weight", KV, H, int8),
-        wo=_linear(tensors, p + "attn_output.weight", H, Q, int8),
-        ffn_norm=_vector(tensors, p + "ffn_norm.weight", H),
-        w_gate=_linear(tensors, p + "ffn_gate.weight", hp.n_ff, H, int8),
-        w_up=_linear(tensors, p + "ffn_up.weight", hp.n_ff, H, int8),
-        w_down=_linear(tensors, p + "ffn_down.weight", H, hp.n_ff, int8),
-        q_norm=_vector(tensors, p + "attn_q_norm.weight", hp.head_dim, required=qk),
-        k_norm=_vector(tensors, p + "attn_k_norm.weight", hp.head_dim, required=qk),
-        bq=_vector(tensors, p + "attn_q.bias", Q, required=False),
-        bk=_vector(tensors, p + "attn_k.bias", KV, required=False),
-        bv=_vector(tensors, p + "attn_v.bias", KV, required=False),
-        bo=_vector(tensors, p + "attn_output.bias", H, required=False),
-    )
-
 
 def _mtp_from_support(sf, hp: HParams, int8: str) -> MtpHeadWeights:
     t = sf.gguf.tensors
