@@ -97,3 +97,48 @@ def test_lookup_partial_accepts_roll_back_exactly(engine):
     assert out == _plain(engine, ids, 80)
     assert st.accepted > 0 and st.accepted < st.verified
     _check_rollback(engine, ids, out)
+
+
+class _CheckedCommits:
+    """Wraps a drafter: at every commit with a partial accept, the target's cache must hold
+    exactly the committed tokens, and the verify row that chose the next token must equal, bit
+    for bit, the last row of a fresh prefill of those tokens (on a separate cache)."""
+
+    def __init__(self, drafter, eng, prompt):
+        self.d, self.eng, self.committed, self.checked = drafter, eng, list(prompt), 0
+        self.name = drafter.name
+        self.hidden_layers, self.wants_final_hidden = drafter.hidden_layers, drafter.wants_final_hidden
+
+    def start(self, prompt, prefill):
+        self.d.start(prompt, prefill)
+
+    def propose(self, *a):
+        return self.d.propose(*a)
+
+    def commit(self, anchor, proposal, m, verify):
+        self.committed += [anchor] + list(proposal.tokens[:m])
+        if 0 < m < len(proposal):
+            model = self.eng.model
+            assert model.cache.length == len(self.committed)
+            fresh = model.forward(self.committed, 0, logits="last", cache=model.new_cache()).logits[-1]
+            np.testing.assert_array_equal(verify.logits[m].view(np.uint32), fresh.view(np.uint32))
+            self.checked += 1
+        self.d.commit(anchor, proposal, m, verify)
+
+
+@pytest.mark.parametrize("which", ["lookup", "mtp", "dspark"])
+def test_every_partial_accept_leaves_exactly_the_committed_state(engine, files, which):
+    ids = engine.prompt_tokens("ab ab ab ab ab ab ab ab ab ab ab ab" if which == "lookup" else PROMPT)
+    if which == "lookup":
+        inner = PromptLookupDrafter(5)
+    elif which == "mtp":
+        inner = MtpDrafter(engine.model, open_support_for(files / "mtp.gguf", files / "target.gguf",
+                                                          engine.hparams, "none")[1], max_draft=4)
+    else:
+        inner = DSparkDrafter(engine.model, open_support_for(files / "draft.gguf", files / "target.gguf",
+                                                             engine.hparams, "none")[1])
+    drafter = _CheckedCommits(inner, engine, ids)
+    out, st = _spec(engine, drafter, ids, 64)
+    assert out == _plain(engine, ids, 64)
+    if which == "lookup":
+        assert drafter.checked > 0  # the random-weight heads rarely get partial accepts
