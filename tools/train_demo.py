@@ -14,6 +14,7 @@ Needs torch (the `train` extra); nothing else in ds4tools does.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -199,7 +200,16 @@ def main(argv=None) -> int:
         },
     }
     if (work / "step_times.json").exists():
-        metrics["step_times_uncontended"] = read_json(work / "step_times.json")
+        bench = metrics["step_times_uncontended"] = read_json(work / "step_times.json")
+        long_steps = plan.target_steps - math.ceil(plan.target_long_from * plan.target_steps)
+        shards = -(-plan.ds_windows // plan.ds_gen_batch)
+        per = {k: v["seconds_per_step"] for k, v in bench.items()}
+        metrics["timings"]["estimated_uncontended_s"] = round(
+            metrics["timings"]["corpus_s"]
+            + (plan.target_steps - long_steps) * per["target"]
+            + long_steps * per.get("target_long", per["target"])
+            + plan.mtp_steps * per["mtp"] + shards * per["dspark_data"] + plan.ds_steps * per["dspark"]
+            + metrics["eval"]["wall_s"], 1)
     metrics["timings"]["total_wall_s"] = round(
         metrics["timings"]["corpus_s"] + metrics["target"]["wall_s"] + metrics["mtp"]["wall_s"]
         + metrics["timings"]["dspark_data_s"] + metrics["dspark"]["wall_s"] + metrics["eval"]["wall_s"], 1)

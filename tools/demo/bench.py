@@ -54,6 +54,11 @@ def bench(plan: Plan, log: Log, threads: int = 2) -> dict:
     out["target"] = {**_best(target_step),
                      "what": f"fwd+bwd+AdamW, {plan.target_batch}x{plan.target_seq} tokens"}
     log(f"bench target {out['target']['seconds_per_step']:.3f} s/step")
+    long_n = max(1, plan.target_batch * plan.target_seq // s.max_position_embeddings)
+    batch = torch.randint(0, v, (long_n, s.max_position_embeddings + 1))
+    out["target_long"] = {**_best(target_step),
+                          "what": f"fwd+bwd+AdamW, {long_n}x{s.max_position_embeddings} tokens"}
+    log(f"bench target (long windows) {out['target_long']['seconds_per_step']:.3f} s/step")
 
     mopt = make_optimizer(list(target.mtp.parameters()), 1e-3, 0.0)
     mbatch = torch.randint(0, v, (plan.mtp_batch, plan.mtp_seq + 1))

@@ -28,18 +28,18 @@ class Plan:
     target_long_from: float = 0.85  # the last 15% of steps use 1024-token windows (same tokens/step)
     target_eval_every: int = 1000
     # MTP
-    mtp_steps: int = 1200
+    mtp_steps: int = 700
     mtp_batch: int = 16
     mtp_seq: int = 512
     mtp_lr: float = 2e-3
     # DSpark self-distilled data
-    ds_windows: int = 4000
+    ds_windows: int = 3000
     ds_window_len: int = 512
     ds_anchors_per_window: int = 64
     ds_min_anchor: int = 16
     ds_gen_batch: int = 8  # windows per generation pass
     # DSpark training
-    ds_steps: int = 6000
+    ds_steps: int = 4000
     ds_windows_per_step: int = 8
     ds_anchors_per_step: int = 32  # anchors drawn from each window per step (0 = all)
     ds_sampled_per_step: int = 16  # of those, how many also train on their T=1 rollout (-1 = all)
