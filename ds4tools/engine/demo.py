@@ -8,6 +8,7 @@ Cache directory: ``$DS4TOOLS_CACHE``, else ``$XDG_CACHE_HOME/ds4tools``, else
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -35,8 +36,10 @@ def cache_dir() -> Path:
     return base / "ds4tools"
 
 
+@functools.lru_cache(maxsize=None)
 def source_hash(folder: Path) -> str:
-    """sha256 over the checkpoint's file names and contents (sorted), and the package version."""
+    """sha256 over the checkpoint's file names and contents (sorted), and the package version.
+    Cached per folder: one run asks for the target's hash for the model and for each support file."""
     h = hashlib.sha256(f"ds4tools {__version__} {DEMO_TYPE}\n".encode())
     for p in sorted(q for q in folder.rglob("*") if q.is_file()):
         h.update(str(p.relative_to(folder)).encode() + b"\0")

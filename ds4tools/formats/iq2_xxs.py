@@ -25,6 +25,7 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
+from ._search import GROUP_MAX_EPS, SCRATCH, make_qp_quants, nearest_int
 
 QK_K = 256
 BLOCK_BYTES = 66
@@ -91,87 +92,6 @@ def search_tables() -> tuple[np.ndarray, np.ndarray]:
 # --- exact helpers --------------------------------------------------------------------------
 
 _FLT_MAX = np.float32(3.4028234663852886e38)
-_GROUP_MAX_EPS = np.float32(1e-15)
-
-
-@njit(cache=True)
-def nearest_int(v):
-    """ggml's nearest_int for every float32, including the out-of-range ones: it adds
-    1.5 * 2**23 and reads the low 23 mantissa bits. In range that is round-half-even."""
-    if abs(v) <= np.float32(4194303.0):
-        return round(v)
-    s = np.float32(v + np.float32(12582912.0))
-    if s != s:
-        return 0  # the default NaN's mantissa is 0x400000
-    if math.isinf(s) or s == 0:
-        return -4194304
-    m, _ = math.frexp(float(s))
-    return int((abs(m) * 2.0 - 1.0) * 8388608.0) - 4194304
-
-
-@njit(cache=True)
-def make_qp_quants(xval, L, weight):
-    """ggml's make_qp_quants(32, nmax=4, ...). L holds bytes (its C type is uint8_t, so a
-    negative level wraps); returns the fitted scale."""
-    n = 32
-    nmax = 4
-    vmax = np.float32(0.0)
-    for i in range(n):
-        vmax = vmax if vmax > xval[i] else xval[i]
-    if vmax < _GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0)
-    iscale = np.float32(nmax) / vmax
-    for i in range(n):
-        L[i] = nearest_int(iscale * xval[i]) & 0xFF
-    scale = np.float32(1.0) / iscale
-    best_mse = np.float32(0.0)
-    for i in range(n):
-        diff = xval[i] - scale * np.float32(L[i])
-        best_mse += weight[i] * diff * diff
-    for step in range(-4, 5):
-        if step == 0:
-            continue
-        iscale_is = (np.float32(0.1) * np.float32(step) + np.float32(nmax)) / vmax
-        scale_is = np.float32(1.0) / iscale_is
-        mse = np.float32(0.0)
-        for i in range(n):
-            l = min(nmax, nearest_int(iscale_is * xval[i]))
-            diff = xval[i] - scale_is * np.float32(l)
-            mse += weight[i] * diff * diff
-        if mse < best_mse:
-            best_mse = mse
-            iscale = iscale_is
-    sumlx = np.float32(0.0)
-    suml2 = np.float32(0.0)
-    for i in range(n):
-        l = min(nmax, nearest_int(iscale * xval[i]))
-        L[i] = l & 0xFF
-        w = weight[i]
-        sumlx += w * xval[i] * np.float32(l)
-        suml2 += w * np.float32(l) * np.float32(l)
-    for _ in range(5):
-        n_changed = 0
-        for i in range(n):
-            w = weight[i]
-            li = np.float32(L[i])
-            slx = sumlx - w * xval[i] * li
-            sl2 = suml2 - w * li * li
-            if slx > 0 and sl2 > 0:
-                new_l = min(nmax, nearest_int(xval[i] * sl2 / slx))
-                if new_l != L[i]:
-                    fl = np.float32(new_l)
-                    slx += w * xval[i] * fl
-                    sl2 += w * fl * fl
-                    if slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l & 0xFF
-                        sumlx = slx
-                        suml2 = sl2
-                        n_changed += 1
-        if n_changed == 0:
-            break
-    return sumlx / suml2 if suml2 > 0 else np.float32(0.0)
 
 
 @njit(cache=True)
@@ -224,13 +144,15 @@ def _round_groups(xval, inv, L):
 def iq2_xxs_quantize_block(xbl, qwl, code_map, neighbours, ob, scratch, ints):
     """One super-block of 256 floats and its 256 importance weights -> 66 bytes.
 
-    scratch: float32 (5, 32) (weight, waux, xval, scales, terms); ints: int64 (4, 36)
+    scratch: float32 (6, SCRATCH) (weight, waux, xval, scales, terms: 32 values each; the
+    make_qp_quants scratch); ints: int64 (4, 36)
     (L, Laux + the four group codes, signs, q2)."""
     weight = scratch[0]
     waux = scratch[1]
     xval = scratch[2]
     scales = scratch[3]
     terms = scratch[4]
+    search = scratch[5]
     L = ints[0]
     Laux = ints[1]
     signs = ints[2]
@@ -277,10 +199,10 @@ def iq2_xxs_quantize_block(xbl, qwl, code_map, neighbours, ob, scratch, ints):
         vmax = xval[0]
         for i in range(1, 32):
             vmax = vmax if vmax > xval[i] else xval[i]
-        if vmax < _GROUP_MAX_EPS:
+        if vmax < GROUP_MAX_EPS:
             scales[ib] = 0
             continue
-        scale = make_qp_quants(xval, L, weight)
+        scale = make_qp_quants(32, _KMAX_Q + 1, xval, L, weight, search)
         eff_max = scale * np.float32(_KMAX_Q)
         if eff_max <= 0:
             scales[ib] = 0
@@ -387,7 +309,7 @@ def _iq2_xxs_quantize(x, imatrix, code_map, neighbours, out):
     rows, n = x.shape
     nbl = n // QK_K
     for r in prange(rows):
-        scratch = np.empty((5, 32), np.float32)
+        scratch = np.empty((6, SCRATCH), np.float32)
         ints = np.empty((4, 36), np.int64)
         for b in range(nbl):
             iq2_xxs_quantize_block(x[r, b * QK_K:(b + 1) * QK_K], imatrix[b * QK_K:(b + 1) * QK_K],

@@ -148,6 +148,19 @@ def _iq4_nl_dequantize(raw, lut, values, out):
                 out[r, b * QK + 16 + j] = d * values[byte >> 4]
 
 
+@njit(cache=True)
+def _unpack_row(rr, lut, values, q, d):
+    """One row of blocks -> its block scales d and its levels q (values[nibble]: float32 for
+    the float path, int8 for the int8 path), for the matmuls to reuse across tokens."""
+    for b in range(d.shape[0]):
+        o = b * BLOCK_BYTES
+        d[b] = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
+        for j in range(16):
+            byte = rr[o + 2 + j]
+            q[b * QK + j] = values[byte & 0xF]
+            q[b * QK + 16 + j] = values[byte >> 4]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _iq4_nl_matmul(raw, lut, values, x, out, qk):
     # qk (= 32) arrives at run time: LLVM then vectorizes the block dot products instead of
@@ -159,13 +172,7 @@ def _iq4_nl_matmul(raw, lut, values, x, out, qk):
     for r in prange(n_out):
         q = np.empty(n_in, np.float32)
         d = np.empty(nb, np.float32)
-        for b in range(nb):
-            o = b * BLOCK_BYTES
-            d[b] = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
-            for j in range(16):
-                byte = raw[r, o + 2 + j]
-                q[b * QK + j] = values[byte & 0xF]
-                q[b * QK + 16 + j] = values[byte >> 4]
+        _unpack_row(raw[r], lut, values, q, d)
         for t in range(k):
             xt = x[t]
             acc = np.float32(0.0)
@@ -207,13 +214,7 @@ def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, qk):
     for r in prange(n_out):
         q = np.empty(n_in, np.int8)
         d = np.empty(nb, np.float32)
-        for b in range(nb):
-            o = b * BLOCK_BYTES
-            d[b] = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
-            for j in range(16):
-                byte = raw[r, o + 2 + j]
-                q[b * QK + j] = values_i8[byte & 0xF]
-                q[b * QK + 16 + j] = values_i8[byte >> 4]
+        _unpack_row(raw[r], lut, values_i8, q, d)
         for t in range(k):
             xt = qx[t]
             acc = np.float32(0.0)

@@ -12,6 +12,7 @@ from numba import config, cuda, float32, int64, uint8
 from .. import iq2_xxs as I2
 from .. import iq4_nl as I4
 from . import grid
+from .._search import SCRATCH
 
 if config.ENABLE_CUDASIM:
     def global_table(a):
@@ -99,7 +100,7 @@ def _iq2_xxs_quantize(x, w, code_map, neighbours, out):
         xbl = cuda.local.array(256, float32)
         qwl = cuda.local.array(256, float32)
         ob = cuda.local.array(66, uint8)
-        scratch = cuda.local.array((5, 32), float32)
+        scratch = cuda.local.array((6, SCRATCH), float32)
         ints = cuda.local.array((4, 36), int64)
         blocks_per_row = w.shape[0] // 256
         col = (i % blocks_per_row) * 256
