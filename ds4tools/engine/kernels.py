@@ -111,38 +111,6 @@ def swiglu(gate, up, out):
             out[t, i] = g / (np.float32(1.0) + exp_f32(-g)) * up[t, i]
 
 
-@njit(cache=True)
-def argmax_rows(x):
-    """Per row, the index of the largest value (the lowest index on ties)."""
-    out = np.empty(x.shape[0], np.int64)
-    for t in range(x.shape[0]):
-        best = 0
-        v = x[t, 0]
-        for i in range(1, x.shape[1]):
-            if x[t, i] > v:
-                v = x[t, i]
-                best = i
-        out[t] = best
-    return out
-
-
-@njit(cache=True, fastmath=True)
-def softmax_rows(x, out):
-    """Row-wise softmax in float32 (max-subtracted)."""
-    for t in range(x.shape[0]):
-        m = NEG_INF
-        for i in range(x.shape[1]):
-            m = max(m, x[t, i])
-        s = np.float32(0.0)
-        for i in range(x.shape[1]):
-            e = exp_f32(x[t, i] - m)
-            out[t, i] = e
-            s += e
-        inv = np.float32(1.0) / s
-        for i in range(x.shape[1]):
-            out[t, i] *= inv
-
-
 # --- rotary position embedding -----------------------------------------------------------------
 
 

@@ -68,25 +68,6 @@ def fp16_to_fp32(h):
 
 
 @njit(cache=True)
-def fp32_to_bf16(v):
-    """float -> bf16 bit pattern, like ggml_compute_fp32_to_bf16 (round to nearest even)."""
-    if v != v:
-        return 0x7FC0
-    x = float(v)
-    sign = 0x8000 if math.copysign(1.0, x) < 0.0 else 0
-    a = abs(x)
-    if a == 0.0:
-        return sign
-    if a >= 3.3961775292304744e38:  # rounds past the largest finite bf16
-        return sign | 0x7F80
-    if a < 1.1754943508222875e-38:  # float32 subnormal: bf16 keeps 7 bits at 2**-133
-        return sign | round(a * 1.0889035741470030e40)
-    m, e = math.frexp(a)
-    frac = round((m * 2.0 - 1.0) * 128.0)
-    return sign | (((e + 126) << 7) + frac)
-
-
-@njit(cache=True)
 def fp16_bits(raw, off):
     """Little-endian fp16 bit pattern stored at raw[off], raw[off+1]."""
     return np.int64(raw[off]) | (np.int64(raw[off + 1]) << 8)
