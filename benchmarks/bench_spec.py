@@ -34,7 +34,7 @@ FLOORS = {  # issue #7: on the demo; (greedy, T=1) speedup floors where the issu
 
 
 def methods_table():
-    from ds4tools.engine.spec.config import SpecConfig
+    from ds4tools.engine.speculative.config import SpecConfig
     table = {"plain": None, "lookup": SpecConfig(lookup=8)}
     for n in (1, 2, 3, 4):
         table[f"mtp-n{n}"] = SpecConfig(mtp_file="@mtp", mtp_draft=n)
@@ -78,7 +78,7 @@ def verify_cost_curve(engine, prompt_ids, ks=range(1, 17), repeat=7) -> dict:
 
 def run_setting(engine, prompts, n_tokens, temperature, seed):
     from ds4tools.engine.sampling import Sampler
-    from ds4tools.engine.spec.stats import SpecStats
+    from ds4tools.engine.speculative.stats import SpecStats
     sampler = Sampler(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
     total = SpecStats(method=engine.drafter.name if engine.drafter else "plain")
     dec_tokens = dec_seconds = 0.0
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         for name in names:
             cfg = table[name]
             if cfg is None:
-                engine.spec, engine.drafter = None, None
+                engine.speculative, engine.drafter = None, None
             else:
                 cfg = type(cfg)(**{k: files.get(v, v) if isinstance(v, str) else v
                                    for k, v in cfg.__dict__.items()})

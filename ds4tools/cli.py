@@ -180,7 +180,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
     output has the same distribution) drafts with an MTP head (--mtp FILE, --glm-mtp), a DSpark
     draft (--mtp FILE --dspark) or prompt lookup (--lookup N)."""
     from .engine.run import run
-    from .engine.spec.config import SpecConfig
+    from .engine.speculative.config import SpecConfig
     spec = SpecConfig(mtp_file=mtp_file, glm_mtp=glm_mtp, dspark=dspark, mtp_draft=mtp_draft,
                       mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
                       dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,

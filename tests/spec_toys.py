@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4tools.engine.spec.drafter import Drafter, Proposal
+from ds4tools.engine.speculative.drafter import Drafter, Proposal
 
 
 @dataclass

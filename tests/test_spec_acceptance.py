@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ds4tools.engine.sampling import Sampler
-from ds4tools.engine.spec.acceptance import accept_greedy, accept_sampled
+from ds4tools.engine.speculative.acceptance import accept_greedy, accept_sampled
 from tests.stats_util import chi2_sf, chisq_test
 
 

@@ -11,8 +11,8 @@ import ds4tools
 from ds4tools.engine import Engine
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
-from ds4tools.engine.spec import PromptLookupDrafter, SpecStats, speculative_decode
-from ds4tools.engine.spec.config import SpecConfig, build_drafter
+from ds4tools.engine.speculative import PromptLookupDrafter, SpecStats, speculative_decode
+from ds4tools.engine.speculative.config import SpecConfig, build_drafter
 
 DEMO = Path(ds4tools.__file__).parent / "data" / "demo"
 pytestmark = pytest.mark.skipif(

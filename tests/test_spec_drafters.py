@@ -8,10 +8,10 @@ import pytest
 from ds4tools.engine import Engine
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
-from ds4tools.engine.spec import PromptLookupDrafter, SpecStats, speculative_decode
-from ds4tools.engine.spec.dspark import DSparkDrafter
-from ds4tools.engine.spec.load import mtp_from_nextn, open_support_for
-from ds4tools.engine.spec.mtp import MtpDrafter
+from ds4tools.engine.speculative import PromptLookupDrafter, SpecStats, speculative_decode
+from ds4tools.engine.speculative.dspark import DSparkDrafter
+from ds4tools.engine.speculative.load import mtp_from_nextn, open_support_for
+from ds4tools.engine.speculative.mtp import MtpDrafter
 
 GREEDY = Sampler(temperature=0.0)
 

@@ -6,7 +6,7 @@ import pytest
 
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
-from ds4tools.engine.spec import PromptLookupDrafter, SpecStats, speculative_decode
+from ds4tools.engine.speculative import PromptLookupDrafter, SpecStats, speculative_decode
 from tests.spec_toys import ToyDrafter, ToyTarget
 from tests.stats_util import chisq_test
 

@@ -159,7 +159,7 @@ class Engine:
         """Draft with what ``spec`` (a SpecConfig, ds4's flags) asks for; loads and validates the
         support file against this model. ``demo``: the model is the bundled demo, whose DSpark
         draft is used when --dspark comes without a file."""
-        from .spec.config import build_drafter
+        from .speculative.config import build_drafter
         spec = spec.resolved(temperature=0.0)
         dspark_default = None
         if demo and spec.dspark and spec.mtp_file is None:
@@ -215,7 +215,7 @@ class Engine:
         if self.drafter is None:
             tokens = decode(self.model, ids, max_tokens, sampler, rng, eog, stats)
         else:
-            from .spec import SpecStats, speculative_decode
+            from .speculative import SpecStats, speculative_decode
             self.last_spec_stats = SpecStats(method=self.drafter.name)
             tokens = speculative_decode(self.model, self.drafter, ids, max_tokens, sampler, rng, eog,
                                         stats, self.last_spec_stats, strict=self.spec.dspark_strict,
