@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType, quants as gq
 
 from ds4tools import formats
 from ds4tools.formats import iq2_xxs, iq4_nl
+from ds4tools.formats.activations import quantize_activations
 from tests.oracle import ggml_quantize
 
 
@@ -173,9 +174,8 @@ def test_q8_k_activations_match_ggml_rounding():
     # ggml's quantize_row_q8_K: iscale = -127 / (signed value of largest magnitude),
     # q = min(127, nearest_int(iscale * x)), d = 1 / iscale
     x = np.random.default_rng(11).standard_normal((3, 512)).astype(np.float32)
-    qx = np.empty(x.shape, np.int8)
-    dx = np.empty((3, 2), np.float32)
-    iq2_xxs.quantize_activations_q8_k(x, qx, dx)
+    act = quantize_activations(x, "Q8_K")
+    qx, dx = act.q, act.d
     for t in range(3):
         for b in range(2):
             blk = x[t, 256 * b:256 * (b + 1)]
@@ -184,6 +184,24 @@ def test_q8_k_activations_match_ggml_rounding():
             expect = np.minimum(127, np.rint(iscale * blk)).astype(np.int8)
             np.testing.assert_array_equal(qx[t, 256 * b:256 * (b + 1)], expect)
             assert dx[t, b] == np.float32(1.0) / iscale
+    np.testing.assert_array_equal(act.sums, qx.reshape(3, 32, 16).astype(np.int32).sum(-1))
+
+
+def test_q8_0_activations_match_ggml_rounding():
+    # ggml's quantize_row_q8_0_ref: d = amax / 127 stored as fp16, q = roundf(x / d)
+    x = np.random.default_rng(12).standard_normal((3, 96)).astype(np.float32)
+    x[1, 32:64] = 0.0  # a zero block: zero scale and quants
+    act = quantize_activations(x, "Q8_0")
+    for t in range(3):
+        for b in range(3):
+            blk = x[t, 32 * b:32 * (b + 1)]
+            d = np.abs(blk).max() / np.float32(127.0)
+            inv = np.float32(1.0) / d if d else np.float32(0.0)
+            v = blk * inv
+            expect = (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.int8)
+            np.testing.assert_array_equal(act.q[t, 32 * b:32 * (b + 1)], expect)
+            assert act.d[t, b] == np.float32(np.float16(d))
+    np.testing.assert_array_equal(act.sums, act.q.reshape(3, 3, 32).astype(np.int32).sum(-1))
 
 
 @pytest.mark.parametrize("scale", [1e30, 3.4e38, 1e-20, 1e-38, 1e-44])

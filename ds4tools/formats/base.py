@@ -66,13 +66,24 @@ class QuantFormat:
         """
         return _missing(self, "fused CPU matmul")
 
-    #: whether `_cpu_matmul_int8` exists (ggml's int8-activation dot products)
-    has_int8_matmul: bool = False
+    #: ggml's vec_dot_type: the int8 activation blocks ("Q8_0" or "Q8_K", see ``activations``)
+    #: that this format's integer matmul takes, or None where it has none
+    act_type: str | None = None
+
+    @property
+    def has_int8_matmul(self) -> bool:
+        return self.act_type is not None
 
     def _cpu_matmul_int8(self, raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-        """Like _cpu_matmul, but x is first quantized to int8 blocks (Q8_0 per 32 or Q8_K per
-        256, as ggml's vec_dot_type) and blocks are dotted in integers. Faster, not exact to
-        the f32 product; still bit-identical for a token alone or inside a batch."""
+        """Like _cpu_matmul, but x is first quantized to int8 blocks of ``act_type`` and blocks
+        are dotted in integers. Faster, not exact to the f32 product; still bit-identical for a
+        token alone or inside a batch."""
+        from .activations import quantize_activations
+        self._cpu_matmul_q8(raw, quantize_activations(x, self.act_type), out)
+
+    def _cpu_matmul_q8(self, raw: np.ndarray, act, out: np.ndarray) -> None:
+        """out[t, r] = sum_i W[r, i] * x[t, i] from already quantized activations ``act``
+        (an ``activations.QuantizedActivations`` of this format's ``act_type``)."""
         return _missing(self, "int8-activation CPU matmul")
 
     def _cuda_quantize(self, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:

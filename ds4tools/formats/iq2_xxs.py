@@ -347,30 +347,6 @@ def _iq2_xxs_matmul(raw, lut, grid_values, signs, x, out):
 # --- int8 activations (ggml's vec_dot_type for IQ2_XXS is Q8_K: int8 per 256, float scale) ---
 
 
-@njit(parallel=True, cache=True)
-def quantize_activations_q8_k(x, qx, dx):
-    """x (k, n) -> int8 qx and float32 scales dx (k, n // 256), as ggml's quantize_row_q8_K."""
-    k, n = x.shape
-    for t in prange(k):
-        for b in range(n // QK_K):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(b * QK_K, (b + 1) * QK_K):
-                ax = abs(x[t, j])
-                if ax > amax:
-                    amax = ax
-                    vmax = x[t, j]
-            if amax == 0:
-                dx[t, b] = np.float32(0.0)
-                for j in range(b * QK_K, (b + 1) * QK_K):
-                    qx[t, j] = 0
-                continue
-            iscale = np.float32(-127.0) / vmax
-            for j in range(b * QK_K, (b + 1) * QK_K):
-                qx[t, j] = min(127, nearest_int(iscale * x[t, j]))
-            dx[t, b] = np.float32(1.0) / iscale
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def _iq2_xxs_matmul_int8(raw, lut, grid_i8, signs_i8, qx, dx, out, qk):
     # ggml's vec_dot_iq2_xxs_q8_K: per 32-block an integer dot product times the odd block
@@ -420,7 +396,7 @@ class IQ2_XXS(QuantFormat):
     name, ggml_type, block_size, type_size = "IQ2_XXS", T.IQ2_XXS, QK_K, BLOCK_BYTES
     uses_imatrix = True
     requires_imatrix = True  # ggml_quantize_requires_imatrix
-    has_int8_matmul = True
+    act_type = "Q8_K"
 
     def _cpu_quantize(self, x, imatrix):
         code_map, neighbours = search_tables()
@@ -436,11 +412,8 @@ class IQ2_XXS(QuantFormat):
     def _cpu_matmul(self, raw, x, out):
         _iq2_xxs_matmul(raw, FP16_TO_FP32, GRID_VALUES, SIGN_FACTORS, x, out)
 
-    def _cpu_matmul_int8(self, raw, x, out):
-        qx = np.empty(x.shape, np.int8)
-        dx = np.empty((x.shape[0], x.shape[1] // QK_K), np.float32)
-        quantize_activations_q8_k(x, qx, dx)
-        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_I8, _SIGNS_I8, qx, dx, out, 32)
+    def _cpu_matmul_q8(self, raw, act, out):
+        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_I8, _SIGNS_I8, act.q, act.d, out, 32)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

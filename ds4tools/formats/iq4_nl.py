@@ -189,23 +189,6 @@ def _iq4_nl_matmul(raw, lut, values, x, out, qk):
 # --- int8 activations (ggml's vec_dot_type for IQ4_NL is Q8_0: int8 per 32, fp16 scale) -------
 
 
-@njit(parallel=True, cache=True)
-def quantize_activations_q8_0(x, qx, dx):
-    """x (k, n) -> int8 qx (k, n) and float32 scales dx (k, n // 32), as ggml's Q8_0 (the
-    scale is the fp16-rounded one, as the dot product reads it back)."""
-    k, n = x.shape
-    for t in prange(k):
-        for b in range(n // QK):
-            amax = np.float32(0.0)
-            for j in range(b * QK, b * QK + QK):
-                amax = max(amax, abs(x[t, j]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            dx[t, b] = fp16_to_fp32(fp32_to_fp16(d))
-            for j in range(b * QK, b * QK + QK):
-                qx[t, j] = round_away(x[t, j] * inv)
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, qk):
     n_out = raw.shape[0]
@@ -232,7 +215,7 @@ def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, qk):
 class IQ4_NL(QuantFormat):
     name, ggml_type, block_size, type_size = "IQ4_NL", T.IQ4_NL, QK, BLOCK_BYTES
     uses_imatrix = True
-    has_int8_matmul = True
+    act_type = "Q8_0"
 
     def _cpu_quantize(self, x, imatrix):
         out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
@@ -249,11 +232,8 @@ class IQ4_NL(QuantFormat):
     def _cpu_matmul(self, raw, x, out):
         _iq4_nl_matmul(raw, FP16_TO_FP32, KVALUES, x, out, QK)
 
-    def _cpu_matmul_int8(self, raw, x, out):
-        qx = np.empty(x.shape, np.int8)
-        dx = np.empty((x.shape[0], x.shape[1] // QK), np.float32)
-        quantize_activations_q8_0(x, qx, dx)
-        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, qx, dx, out, QK)
+    def _cpu_matmul_q8(self, raw, act, out):
+        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, act.q, act.d, out, QK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k
