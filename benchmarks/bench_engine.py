@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from gguf import GGUFValueType as V  # noqa: E402
 
+from ds4tools.bench.measure import (best_of, cost_ratios, decode_weight_bytes,  # noqa: E402
+                                    memcpy_bandwidth, verify_seconds)
 from ds4tools.gguf_io import GGUFStreamWriter  # noqa: E402
 
 REFERENCE_TPS = {"q8_0": 29.0, "q4_k_m": 50.0}
@@ -134,32 +136,6 @@ def prepare_models(folder, cfg, names, log) -> dict:
 # --- measurements -----------------------------------------------------------------------------
 
 
-def memcpy_bandwidth(nbytes=1 << 30, repeat=5) -> float:
-    """GB/s of a numpy copy of a large buffer (bytes read per second), best of ``repeat``."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
-def best_of(fn, repeat):
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def decode_weight_bytes(eng) -> int:
-    """Bytes of weights one decode step reads: every matrix but the embedding (one row)."""
-    return sum(lin.nbytes for lin in eng.weights.linears())
-
-
 def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> dict:
     hp = eng.hparams
     rng = np.random.default_rng(0)
@@ -181,15 +157,8 @@ def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> di
     prefill()
     t_decode = best_of(decode, repeat) / n_decode
 
-    # verify cost at the prompt's context: k rows forwarded after a truncate, logits for all.
-    # The k values are interleaved within each round, so load changes hit them alike.
-    times = {k: float("inf") for k in ks}
-    for _ in range(max(repeat, 5)):
-        for k in ks:
-            eng.cache.truncate(n_prompt)
-            t = time.perf_counter()
-            eng.forward(prompt[:k], n_prompt, logits="all")
-            times[k] = min(times[k], time.perf_counter() - t)
+    # verify cost at the prompt's context: k rows forwarded after a truncate, logits for all
+    times = verify_seconds(eng, n_prompt, ks, max(repeat, 5), prompt)
     weight_bytes = decode_weight_bytes(eng)
     return {
         "prefill_tps": n_prompt / t_prefill,
@@ -197,7 +166,7 @@ def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> di
         "decode_ms": t_decode * 1e3,
         "weight_bytes": weight_bytes,
         "weight_gbps": weight_bytes / t_decode / 1e9,
-        "r": {k: times[k] / times[1] for k in ks},
+        "r": cost_ratios(times),
         "t1_ms": times[1] * 1e3,
         "n_ctx_measured": n_prompt,
         "threads": eng.threads,

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -61,19 +60,10 @@ def ngram_repetition(prompt: list[int], generated: list[int], n: int = 8) -> tup
 
 def verify_cost_curve(engine, prompt_ids, ks=range(1, 17), repeat=7) -> dict:
     """r(k) = best time of a k-token forward over the best time of a one-token forward."""
-    model = engine.model
-    base = len(prompt_ids)
-    model.forward(prompt_ids, 0, logits="last")
-    out = {}
-    for k in ks:
-        toks = [prompt_ids[-1]] * k
-        best = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            model.forward(toks, base, logits="all")
-            best = min(best, time.perf_counter() - t0)
-        out[k] = best
-    return {k: out[k] / out[1] for k in ks}
+    from ds4tools.bench.measure import cost_ratios, verify_seconds
+    engine.forward(prompt_ids, 0, logits="last")
+    ks = list(ks)
+    return cost_ratios(verify_seconds(engine, len(prompt_ids), ks, repeat, [prompt_ids[-1]] * max(ks)))
 
 
 def run_setting(engine, prompts, n_tokens, temperature, seed):
