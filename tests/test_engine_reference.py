@@ -157,11 +157,14 @@ def test_converted_checkpoint_matches_reference_on_hf_weights(which, request, tm
 
 
 def test_int8_path_policy(models):
-    from ds4tools.engine.weights import INT8_DEFAULT_FORMATS
-    for fmt in ("IQ2_XXS", "IQ4_NL", "Q8_0"):
+    # every quantized format takes the int8 path by default; float formats and --exact never do
+    for fmt in ("IQ2_XXS", "IQ4_NL", "Q8_0", "Q4_K", "F16"):
         path = models / f"policy-{fmt}.gguf"
-        write_random_model(path, QWEN3, seed=8, default_type=fmt)
+        write_random_model(path, QWEN3, seed=8, default_type=fmt, types={"blk.0.attn_q.weight": "Q8_0"}
+                           if fmt == "F16" else None)
         has = formats.FORMATS[fmt].has_int8_matmul
-        assert {lin.int8 for lin in Engine(path).weights.linears()} == {has and fmt in INT8_DEFAULT_FORMATS}
+        assert has == (fmt != "F16")
+        by_format = {lin.fmt.name: lin.int8 for lin in Engine(path).weights.linears()}
+        assert by_format == ({"F16": False, "Q8_0": True} if fmt == "F16" else {fmt: True})
         assert {lin.int8 for lin in Engine(path, int8="all").weights.linears()} == {has}
         assert {lin.int8 for lin in Engine(path, int8="all", exact=True).weights.linears()} == {False}

@@ -45,7 +45,7 @@ _EXP_MIN = np.float32(-87.33654)               # e^x below 2**-126: returns ~1.2
 _EXP_MAX = np.float32(88.72283)
 
 
-@njit(cache=True, fastmath=True, inline="always")
+@njit(cache=True, fastmath=True, inline="always", error_model="numpy")
 def exp_f32(x):
     """e**x for a float32 x, in float32 arithmetic (clamped to the normal range)."""
     x = min(max(x, _EXP_MIN), _EXP_MAX)
@@ -64,7 +64,7 @@ def exp_f32(x):
 # --- normalization and element-wise ops ------------------------------------------------------
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def _rmsnorm_row(x, weight, eps, out):
     # Sum of squares in float64 (ggml sums in ggml_float = double), the rest in float32.
     s = 0.0
@@ -76,7 +76,7 @@ def _rmsnorm_row(x, weight, eps, out):
         out[i] = (x[i] * scale) * weight[i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rmsnorm(x, weight, eps, out):
     """out[t] = x[t] / rms(x[t]) * weight; x, out (rows, n); weight (n,). out may be x.
 
@@ -86,7 +86,7 @@ def rmsnorm(x, weight, eps, out):
         _rmsnorm_row(x[t], weight, eps, out[t])
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def add_bias(x, bias):
     """x[t] += bias for every row."""
     for t in range(x.shape[0]):
@@ -94,7 +94,7 @@ def add_bias(x, bias):
             x[t, i] += bias[i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def add_into(x, y):
     """x += y (the residual stream), row by row."""
     for t in range(x.shape[0]):
@@ -102,7 +102,7 @@ def add_into(x, y):
             x[t, i] += y[t, i]
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def swiglu(gate, up, out):
     """out = silu(gate) * up, silu(g) = g / (1 + exp(-g)) as ggml computes it."""
     for t in range(gate.shape[0]):
@@ -114,7 +114,7 @@ def swiglu(gate, up, out):
 # --- rotary position embedding -----------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rope(x, positions, cos, sin, neox):
     """Rotate x (k, heads, head_dim) in place by the angles of each row's position.
 
@@ -183,7 +183,7 @@ def rope_tables(n_positions: int, n_rot: int, freq_base: float, *, freq_scale: f
 # --- KV cache writes --------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def store_kv_f32(cache_k, cache_v, k_rows, v_rows, positions):
     """cache_*: (n_kv_head, n_ctx, head_dim) float32; *_rows: (k, n_kv_head, head_dim)."""
     for t in range(k_rows.shape[0]):
@@ -194,7 +194,7 @@ def store_kv_f32(cache_k, cache_v, k_rows, v_rows, positions):
                 cache_v[g, p, i] = v_rows[t, g, i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def store_kv_f16(cache_k, cache_v, k_rows, v_rows, positions):
     """As store_kv_f32 for an fp16 cache (uint16 bit patterns, rounded to nearest even)."""
     kb = k_rows.view(np.uint32)
@@ -210,7 +210,7 @@ def store_kv_f16(cache_k, cache_v, k_rows, v_rows, positions):
 # --- attention -------------------------------------------------------------------------------
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def _attend(q, keys, values, n_visible, scale, scores, acc, out):
     """One query row of one head against the first n_visible cache rows (keys, values:
     (n_ctx, head_dim) float32): out = softmax(scale * keys @ q) @ values."""
@@ -239,7 +239,7 @@ def _attend(q, keys, values, n_visible, scale, scores, acc, out):
         out[i] = acc[i] * inv
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def attention_f32(q, cache_k, cache_v, limits, scale, out):
     """Causal (or any prefix-limited) attention over a float32 cache.
 
@@ -257,7 +257,7 @@ def attention_f32(q, cache_k, cache_v, limits, scale, out):
         _attend(q[t, h], cache_k[g], cache_v[g], n_visible, scale, scores, acc, out[t, h])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _decode_f16_rows(cache, n_rows, lut, out):
     # (n_kv_head, n_ctx, hd) uint16 -> (n_kv_head, n_rows, hd) float32, for the visible rows.
     for g in prange(cache.shape[0]):
@@ -266,7 +266,7 @@ def _decode_f16_rows(cache, n_rows, lut, out):
                 out[g, j, i] = lut[cache[g, j, i]]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _attention_decoded(q, keys, values, limits, scale, out):
     k, n_head, hd = q.shape
     group = n_head // keys.shape[0]

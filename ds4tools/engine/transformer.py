@@ -24,7 +24,7 @@ import numpy as np
 from . import kernels
 from .hparams import HParams
 from .kv_cache import KVCache
-from .weights import LayerWeights, ModelWeights
+from .weights import LayerWeights, ModelWeights, SharedInput
 
 #: rows per internal pass: long inputs (prefill) run in chunks of this many tokens
 DEFAULT_CHUNK = 32
@@ -32,6 +32,11 @@ DEFAULT_CHUNK = 32
 #: time than starting a parallel region (tiny demo model, 2 threads on loaded cores: 170 t/s
 #: against 540 t/s on one). The same compiled kernels run either way, so results are the same.
 SINGLE_THREAD_BELOW_BYTES = 1 << 20
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A forward produced NaN or infinite logits: corrupt weights (flipped bytes) or an
+    overflow. The caller names the model file."""
 
 
 @dataclass
@@ -71,9 +76,10 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
     kr = ws.k[:k]
     vr = ws.v[:k]
     kernels.rmsnorm(x, lw.attn_norm, hp.rms_eps, h)
-    lw.wq.matmul(h, q.reshape(k, hp.n_q))
-    lw.wk.matmul(h, kr.reshape(k, hp.n_kv))
-    lw.wv.matmul(h, vr.reshape(k, hp.n_kv))
+    hs = SharedInput(h)  # quantized once for q, k and v
+    lw.wq.matmul(hs, q.reshape(k, hp.n_q))
+    lw.wk.matmul(hs, kr.reshape(k, hp.n_kv))
+    lw.wv.matmul(hs, vr.reshape(k, hp.n_kv))
     if lw.bq is not None:
         kernels.add_bias(q.reshape(k, hp.n_q), lw.bq)
     if lw.bk is not None:
@@ -102,8 +108,9 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
     kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
     g = ws.gate[:k]
     u = ws.up[:k]
-    lw.w_gate.matmul(h, g)
-    lw.w_up.matmul(h, u)
+    hs = SharedInput(h)  # quantized once for gate and up
+    lw.w_gate.matmul(hs, g)
+    lw.w_up.matmul(hs, u)
     kernels.swiglu(g, u, g)
     lw.w_down.matmul(g, o)
     kernels.add_into(x, o)
@@ -164,6 +171,9 @@ class Transformer:
         if out is None:
             out = np.empty((k, self.hp.n_vocab), np.float32)
         self.weights.output.matmul(normed, out)
+        if not np.isfinite(out).all():
+            raise NonFiniteLogits("the forward produced non-finite logits (NaN or Inf): the weights "
+                                  "are corrupt or overflow float32")
         return normed, out
 
     def forward(self, tokens, start_pos: int, *, hidden_layers=(), want_final_hidden: bool = False,

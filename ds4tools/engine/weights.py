@@ -12,24 +12,38 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import formats
+from ..formats.activations import quantize_activations
 from .hparams import HParams
 
 
-#: Formats whose int8-activation matmul the engine uses by default: where it was measured faster
-#: than the float32 path for one-token decoding (benchmarks/bench_engine.py --int8-check; 1
-#: thread, 2816x1024: IQ2_XXS 1.5 ms int8 vs 2.1 ms f32; IQ4_NL 1.0 vs 0.9: not listed).
-INT8_DEFAULT_FORMATS = frozenset({"IQ2_XXS"})
 INT8_MODES = ("default", "all", "none")
 
 
 def int8_for(fmt, mode: str) -> bool:
-    """Whether a matrix of format ``fmt`` takes the int8 path under ``mode``: "default" (the
-    formats above), "all" (every format that has one) or "none" (float32 everywhere)."""
+    """Whether a matrix of format ``fmt`` takes the int8-activation path under ``mode``:
+    "default" and "all" (every format that has one: all but the float formats) or "none"
+    (float32 everywhere: ``--exact``). "default" and "all" are the same since every quantized
+    format got its integer kernel; both names stay for scripts that pass them."""
     if mode not in INT8_MODES:
         raise ValueError(f"unknown int8 mode {mode!r} (use {', '.join(INT8_MODES)})")
-    if not fmt.has_int8_matmul or mode == "none":
-        return False
-    return mode == "all" or fmt.name in INT8_DEFAULT_FORMATS
+    return fmt.has_int8_matmul and mode != "none"
+
+
+class SharedInput:
+    """One matmul input read by several matrices (q, k, v; gate, up): its int8 blocks are
+    made once per activation type and reused by every matrix that reads it."""
+
+    __slots__ = ("x", "_quantized")
+
+    def __init__(self, x: np.ndarray):
+        self.x = x
+        self._quantized: dict = {}
+
+    def quantized(self, kind: str):
+        act = self._quantized.get(kind)
+        if act is None:
+            act = self._quantized[kind] = quantize_activations(self.x, kind)
+        return act
 
 
 class WeightsError(ValueError):
@@ -70,14 +84,19 @@ class Linear:
     def nbytes(self) -> int:
         return self.raw.nbytes
 
-    def matmul(self, x: np.ndarray, out: np.ndarray, int8: bool | None = None) -> np.ndarray:
-        """out (k, n_out) = x (k, n_in) @ W.T; x and out float32, C-contiguous (unchecked: the
-        decoder owns its buffers). ``int8`` overrides the path chosen at load time."""
+    def matmul(self, x, out: np.ndarray, int8: bool | None = None) -> np.ndarray:
+        """out (k, n_out) = x (k, n_in) @ W.T; x float32 C-contiguous or a SharedInput, out
+        float32 C-contiguous (unchecked: the decoder owns its buffers). ``int8`` overrides the
+        path chosen at load time."""
+        shared = x if isinstance(x, SharedInput) else None
+        rows = shared.x if shared is not None else x
         use_int8 = self.int8 if int8 is None else (int8 and self.fmt.has_int8_matmul)
-        if use_int8:
-            self.fmt._cpu_matmul_int8(self.raw, x, out)
+        if not use_int8:
+            self.fmt._cpu_matmul(self.raw, rows, out)
+        elif shared is not None:
+            self.fmt._cpu_matmul_q8(self.raw, shared.quantized(self.fmt.act_type), out)
         else:
-            self.fmt._cpu_matmul(self.raw, x, out)
+            self.fmt._cpu_matmul_int8(self.raw, rows, out)
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
