@@ -5,6 +5,7 @@ Every error is one line on stderr, ``ds4tools: <file>: <problem>``, and an exit 
 """
 import contextlib
 import json
+import signal
 import sys
 
 import click
@@ -27,6 +28,37 @@ def _reported_errors():
     except MemoryError:
         click.echo("ds4tools: out of memory", err=True)
         sys.exit(1)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is so that its clean-ups run (``finally``, a
+    quantize's ``except BaseException`` that removes its temporary file): Python's default
+    SIGTERM action ends the process without them."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """Ctrl-C and SIGTERM end a command after its clean-ups with one line and the shell's
+    codes, 130 and 143 (not click's "Aborted!" and 1)."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not in the main thread (an embedding program): leave SIGTERM alone
+        previous = None
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo("ds4tools: interrupted", err=True)
+        sys.exit(130)
+    except Terminated:
+        click.echo("ds4tools: terminated", err=True)
+        sys.exit(143)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,7 +108,7 @@ def quantize(src, out, type_, tensor_types, output_tensor_type, token_embedding_
     """Quantize a GGUF, or convert a Hugging Face directory, to OUT.gguf (and support GGUFs:
     --mtp-out, --dspark-out)."""
     from .quantize import QuantizeOptions, quantize_model
-    with _reported_errors():
+    with _interrupts(), _reported_errors():
         if type_ is None:
             if not dspark_out:
                 raise UsageError("missing option --type TYPE")
@@ -115,7 +147,7 @@ def _int_list(text, option: str):
 def inspect_cmd(file, as_json, tensors, keys, target):
     """Describe and validate a GGUF file (a split set is read from any of its shards)."""
     from .inspect import inspect_file, render_text
-    with _reported_errors():
+    with _interrupts(), _reported_errors():
         doc = inspect_file(file, tensors=tensors, keys=keys, target=target)
     click.echo(json.dumps(doc, indent=2, ensure_ascii=False) if as_json else render_text(doc))
     if not doc["valid"]:
@@ -137,7 +169,8 @@ def inspect_cmd(file, as_json, tensors, keys, target):
 @click.option("--top-k", type=int, default=40, show_default=True, help="Top-k (0: off).")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Top-p (1: off).")
 @click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p (0: off).")
-@click.option("--seed", type=int, metavar="S", help="Random seed (default: a fresh one).")
+@click.option("--seed", type=int, metavar="S",
+              help="Random seed; -1 (the default) draws a fresh one, which --stats / --json report.")
 @click.option("--ctx", type=int, metavar="N", help="Context size in tokens (default: the model's, at most 4096).")
 @click.option("--threads", type=int, metavar="N", help="CPU threads for the kernels.")
 @click.option("--cache-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
@@ -185,12 +218,62 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
                       mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
                       dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,
                       lookup=lookup, timing=glm_mtp_timing)
-    with _reported_errors():
+    with _interrupts(), _reported_errors():  # run itself exits 130 when generation is interrupted
         code = run(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
                    temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
                    threads=threads, cache_type=cache_type, exact=exact, stats=stats,
                    as_json=as_json, spec=spec if spec.active else None)
     sys.exit(code)
+
+
+@main.command("bench")
+@click.option("-m", "--model", type=click.Path(), metavar="MODEL.gguf",
+              help="Model to measure (default: the bundled demo model).")
+@click.option("-p", "--n-prompt", "n_prompt", metavar="N[,N...]",
+              help="Prompt sizes of the prefill tests (pp); 0: none [default: 512, or the "
+                   "--prompt's length].")
+@click.option("-n", "--n-gen", "n_gen", metavar="N[,N...]",
+              help="Tokens of the decode tests (tg) and the sweep; 0: none [default: 128].")
+@click.option("--rk", metavar="K[,K...]", help="Verify-cost curve r(k) [default: 1,2,4,8,16].")
+@click.option("-t", "--threads", type=int, metavar="N", help="CPU threads for the kernels.")
+@click.option("-r", "--repeat", type=int, metavar="N", help="Best of N runs [default: 3].")
+@click.option("--prompt", metavar="TEXT",
+              help="Prompt text (tiled or cut to -p tokens) [default: synthetic token ids].")
+@click.option("-f", "--file", "prompt_file", type=click.Path(), metavar="FILE",
+              help="Read the prompt text from FILE (UTF-8).")
+@click.option("--exact", is_flag=True, help="Float32 activations in every matmul (no int8 path).")
+@click.option("--cache-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="KV cache storage.")
+@click.option("--temp", metavar="T[,T...]",
+              help="Temperatures of the drafter sweep (no top-k/p, min-p) [default: 0].")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of sampled sweeps.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (schema in docs/cli.md).")
+@click.option("--mtp", "mtp_file", type=click.Path(), metavar="FILE",
+              help="MTP head to sweep, or with --dspark the DSpark draft.")
+@click.option("--mtp-draft", metavar="N[,N...]", help="MTP draft depths to sweep (1..16).")
+@click.option("--mtp-margin", metavar="F[,F...]", help="MTP margins to sweep.")
+@click.option("--glm-mtp", is_flag=True, help="Sweep MTP with the NextN layer inside the model.")
+@click.option("--dspark", is_flag=True, help="Sweep DSpark (draft: --mtp FILE, or the demo's).")
+@click.option("--dspark-block-size", metavar="N[,N...]", help="DSpark block sizes to sweep.")
+@click.option("--dspark-confidence", metavar="F[,F...]", help="DSpark confidence cuts to sweep.")
+@click.option("--dspark-strict", is_flag=True, help="DSpark strict acceptance (greedy only).")
+@click.option("--lookup", metavar="N[,N...]", help="Prompt-lookup draft lengths to sweep.")
+def bench_cmd(model, n_prompt, n_gen, rk, threads, repeat, prompt, prompt_file, exact, cache_type,
+              temp, seed, as_json, mtp_file, mtp_draft, mtp_margin, glm_mtp, dspark,
+              dspark_block_size, dspark_confidence, dspark_strict, lookup):
+    """Measure prefill and decode t/s, weight GB/s against a memory copy, the verify-cost curve
+    r(k), and with drafter options a speculative sweep (speedup, tau, alpha per setting).
+    Comma lists sweep, as in llama-bench: --lookup 4,8 --mtp-draft 1,2,3."""
+    from .bench import BenchOptions, render_table, run_bench
+    with _reported_errors():
+        opts = BenchOptions.from_cli(
+            model=model, n_prompt=n_prompt, n_gen=n_gen, rk=rk, threads=threads, repeat=repeat,
+            prompt=prompt, prompt_file=prompt_file, exact=exact, cache_type=cache_type, temp=temp,
+            seed=seed, mtp_file=mtp_file, glm_mtp=glm_mtp, dspark=dspark, mtp_draft=mtp_draft,
+            mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
+            dspark_confidence=dspark_confidence, dspark_strict=dspark_strict, lookup=lookup)
+        doc = run_bench(opts)
+    click.echo(json.dumps(doc, indent=2) if as_json else render_table(doc))
 
 
 if __name__ == "__main__":

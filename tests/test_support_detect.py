@@ -76,9 +76,10 @@ def test_mixed_mtp_and_dspark_tensors(files, tmp_path):
 
 def test_target_on_a_file_that_is_no_support_file(gguf_qwen3_f32, gguf_llama_f32):
     r = cli("inspect", gguf_qwen3_f32, "--target", gguf_llama_f32)
-    assert r.exit_code == 1
-    assert (f"error: --target {gguf_llama_f32}: this is not a support GGUF; it is a qwen3 file with "
-            f"25 tensors and no support tensors (mtp.*, markov_w1)") in r.stdout
+    assert r.exit_code == 2  # a wrong command (issue #18), not a wrong file
+    assert r.stderr == (f"ds4tools: {gguf_qwen3_f32}: --target {gguf_llama_f32}: this is not a support "
+                        f"GGUF; it is a qwen3 file with 25 tensors and no support tensors "
+                        f"(mtp.*, markov_w1)\n")
     with pytest.raises(InvalidContentError, match="not a support GGUF: it is a qwen3 file"):
         open_support(gguf_qwen3_f32)
 

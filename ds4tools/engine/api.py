@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -23,7 +24,7 @@ from .hparams import HParamsError, SUPPORTED_ARCHITECTURES, hparams_from_metadat
 from .kv_cache import CACHE_TYPES
 from .sampling import Sampler
 from .tokenizer import GGUFTokenizer, TokenizerError
-from .transformer import DEFAULT_CHUNK, ForwardResult, Transformer
+from .transformer import DEFAULT_CHUNK, ForwardResult, NonFiniteLogits, Transformer
 from .weights import INT8_MODES, WeightsError, load_weights
 
 #: context size when none is asked for (capped by the model's training context)
@@ -43,6 +44,20 @@ def set_threads(n: int | None) -> int:
             raise UsageError(f"--threads {n}: must be at least 1")
         numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
     return numba.get_num_threads()
+
+
+#: the seed that asks for a random one, as llama.cpp's --seed -1 (LLAMA_DEFAULT_SEED)
+RANDOM_SEED = -1
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The seed a generation uses: ``None`` or -1 draw a fresh one (reported in the stats so
+    the run can be repeated); any other negative value is a usage error."""
+    if seed is None or int(seed) == RANDOM_SEED:
+        return secrets.randbits(32)
+    if int(seed) < 0:
+        raise UsageError(f"--seed {seed}: must be -1 (a random seed) or a non-negative integer")
+    return int(seed)
 
 
 def _not_a_model(f) -> str | None:
@@ -67,8 +82,8 @@ class Engine:
     ``model_path=None`` runs the bundled demo model (converted on first use, see
     ``ds4tools.engine.demo``). ``exact=True`` keeps every matmul on the float32-activation path
     (equal to the float64 reference on the dequantized weights to float32 rounding);
-    otherwise ``int8`` picks where ggml's int8-activation path is used: "default" (the formats
-    where it is faster, weights.INT8_DEFAULT_FORMATS), "all" or "none".
+    otherwise every quantized matrix takes ggml's int8-activation path (``int8`` "default" or
+    "all"; "none" is the same as ``exact=True``).
     ``cache_type``: "f32" or "f16"."""
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
@@ -190,7 +205,7 @@ class Engine:
 
         Stops after ``max_tokens``, at an end-of-generation token (not yielded), or when the
         context is full. Timings land in ``self.last_stats`` (complete once the iteration
-        ends). Deterministic for a given seed (seed=None draws one; see last_stats.seed)."""
+        ends). Deterministic for a given seed (seed=None or -1 draws one; see last_stats.seed)."""
         ids = self.prompt_tokens(prompt)
         if max_tokens < 0:
             raise UsageError(f"-n {max_tokens}: must not be negative")
@@ -200,16 +215,17 @@ class Engine:
             raise UsageError(str(e)) from None
         if self.spec is not None:
             self.spec.resolved(temperature=sampler.temperature)  # e.g. strict mode needs greedy
-        if seed is None:
-            seed = secrets.randbits(32)
-        stats = GenerationStats(seed=int(seed))
+        seed = resolve_seed(seed)
+        stats = GenerationStats(seed=seed)
         self.last_stats = stats
         return self._stream(ids, max_tokens, sampler, np.random.default_rng(int(seed)),
                             stop_at_eog, stats)
 
     def _stream(self, ids, max_tokens, sampler, rng, stop_at_eog, stats):
         # Each token yields the complete UTF-8 text it finishes; a character split over
-        # tokens comes out with its last byte. One left unfinished at the very end is dropped.
+        # tokens comes out with its last byte. One left unfinished at the very end is dropped
+        # (stats.text_truncated says so).
+        stats.warmup_seconds = self._warm_up(sampler)
         text = self.tokenizer.stream()
         eog = self.tokenizer.eog_ids if stop_at_eog else frozenset()
         if self.drafter is None:
@@ -220,11 +236,50 @@ class Engine:
             tokens = speculative_decode(self.model, self.drafter, ids, max_tokens, sampler, rng, eog,
                                         stats, self.last_spec_stats, strict=self.spec.dspark_strict,
                                         on_step=self.on_spec_step)
-        for tok in tokens:
-            yield GeneratedToken(tok, text.feed(tok))
+        try:
+            for tok in tokens:
+                yield GeneratedToken(tok, text.feed(tok))
+        except NonFiniteLogits as e:
+            raise InvalidContentError(about(self.path, str(e))) from None
+        finally:
+            tokens.close()  # now, not at garbage collection: the stats are complete when we return
+            stats.text_truncated = text.pending > 0
 
     #: per-step hook of speculative decoding (``--glm-mtp-timing`` sets one that logs)
     on_spec_step = None
+
+    #: the settings already warmed up (see _warm_up)
+    _warmed: frozenset = frozenset()
+
+    def _warm_up(self, sampler) -> float:
+        """Run a throwaway 2-token generation before the first timed one of each setting;
+        returns its seconds (0 once warm).
+
+        The first call of each compiled kernel in a process loads it from numba's cache (or
+        compiles it): 0.4-0.7 s that would otherwise be timed as prefill. llama.cpp runs a
+        throwaway decode at start-up for the same reason. It goes through the real loop (the
+        drafter, the sampler's path) so that every kernel the timed run calls is loaded."""
+        key = (self.exact, self.int8_mode, id(self.drafter), sampler.greedy)
+        if key in self._warmed:
+            return 0.0
+        t0 = time.perf_counter()
+        prompt = [0] * min(2, self.n_ctx)
+        # a plain copy: a caller's sampler may keep state that the throwaway run must not move
+        copy = Sampler(sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p)
+        rng = np.random.default_rng(0)
+        try:
+            if self.drafter is None:
+                tokens = decode(self.model, prompt, 2, copy, rng)
+            else:
+                from .speculative import speculative_decode
+                tokens = speculative_decode(self.model, self.drafter, prompt, 2, copy, rng,
+                                            calibrate=False)
+            for _ in tokens:
+                pass
+        except NonFiniteLogits as e:
+            raise InvalidContentError(about(self.path, str(e))) from None
+        self._warmed = self._warmed | {key}
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Release the model: the weights (views of the memory-mapped file) and the cache.

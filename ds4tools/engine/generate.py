@@ -25,8 +25,16 @@ class GenerationStats:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     total_seconds: float = 0.0
-    stop_reason: str = ""          # "length" | "eog" | "context"
+    #: "length" | "eog" | "context" | "interrupted" (the caller stopped the iteration: Ctrl-C,
+    #: or a loop that broke off early)
+    stop_reason: str = ""
     seed: int | None = None
+    #: the throwaway generation that loaded the compiled kernels before this one (0 once warm);
+    #: outside every other figure
+    warmup_seconds: float = 0.0
+    #: generation stopped inside a multi-byte UTF-8 character: the text lacks its first bytes,
+    #: which the last token(s) hold
+    text_truncated: bool = False
 
     @property
     def prefill_tps(self) -> float:
@@ -49,7 +57,8 @@ class GenerationStats:
             f"decode: {self.decode_tokens} tokens in {self.decode_seconds:.3f} s, "
             f"{self.decode_tps:.1f} t/s",
             f"generated tokens: {self.generated_tokens} (stop: {self.stop_reason})",
-            f"total time: {self.total_seconds:.3f} s",
+            f"total time: {self.total_seconds:.3f} s (warm-up before it: {self.warmup_seconds:.3f} s)",
+            f"seed: {self.seed}",
         ]
 
 
@@ -93,4 +102,5 @@ def decode(model: Transformer, prompt: list[int], max_tokens: int, sampler: Samp
             stats.decode_tokens += 1
             pos += 1
     finally:
+        stats.stop_reason = stats.stop_reason or "interrupted"
         stats.total_seconds = clock() - start

@@ -3,7 +3,8 @@
 Output: the continuation streams to stdout as UTF-8 while it is generated, then a newline;
 ``--stats`` adds a summary on stderr; ``--json`` prints one JSON object instead:
 ``{"model", "text", "tokens", "stats": {prompt_tokens, generated_tokens, decode_tokens,
-prefill_seconds, prefill_tps, decode_seconds, decode_tps, total_seconds, stop_reason, seed}}``.
+prefill_seconds, prefill_tps, decode_seconds, decode_tps, total_seconds, stop_reason, seed,
+warmup_seconds, text_truncated}}``.
 Errors are raised as ds4tools.errors classes (the CLI prints them and exits with their code).
 """
 from __future__ import annotations
@@ -39,12 +40,13 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
     """Run one generation; returns the exit code (0, or 130 when interrupted).
 
     ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding."""
-    from .api import Engine
+    from .api import Engine, resolve_seed
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr
     text = read_prompt(prompt, prompt_file)
     if n_predict < 0:
         raise UsageError(f"-n {n_predict}: must not be negative")
+    seed = resolve_seed(seed)  # a bad seed is refused before the model loads
     if spec is not None:
         spec = spec.resolved(temperature=temp)  # refuse wrong combinations before loading
     engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
@@ -54,15 +56,19 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
             engine.on_spec_step = _step_logger(err)
     pieces, ids = [], []
     code = 0
+    tokens = engine.generate(text, n_predict, temperature=temp, top_k=top_k, top_p=top_p,
+                             min_p=min_p, seed=seed)
     try:
-        for tok in engine.generate(text, n_predict, temperature=temp, top_k=top_k, top_p=top_p,
-                                   min_p=min_p, seed=seed):
+        for tok in tokens:
             ids.append(tok.id)
             pieces.append(tok.text)
             if not as_json and tok.text:
                 out.write(tok.text.encode("utf-8"))
                 out.flush()
     except KeyboardInterrupt:
+        tokens.close()  # completes the stats now: stop_reason "interrupted", the times
+        # (an interrupt in the warm-up comes before the decoding loop that would say so)
+        engine.last_stats.stop_reason = engine.last_stats.stop_reason or "interrupted"
         code = 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -76,6 +82,9 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
         out.write((json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8"))
     else:
         out.write(b"\n")
+        if st.text_truncated:  # --json says so in stats.text_truncated
+            print("ds4tools: generation stopped inside a multi-byte UTF-8 character: its first "
+                  "bytes are not printed", file=err)
     out.flush()
     if stats:
         for line in st.summary_lines() + (sp.summary_lines() if sp is not None else []):

@@ -255,6 +255,11 @@ class StreamDecoder:
     def feed(self, token_id: int) -> str:
         return self._utf8.decode(self._bytes(int(token_id)))
 
+    @property
+    def pending(self) -> int:
+        """Bytes held back: the start of a character whose remaining bytes have not come."""
+        return len(self._utf8.getstate()[0])
+
     def flush(self) -> str:
         """Whatever is left at the end (an unfinished sequence becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueTy
 from ..errors import UsageError, about
 from .reader import byte_shape_of
 
-__all__ = ["GGUFStreamWriter", "same_file"]
+__all__ = ["GGUFStreamWriter", "same_file", "remove_stale_temporaries"]
 
 
 def same_file(a, b) -> bool:
@@ -71,6 +71,49 @@ class _BulkArrayWriter(GGUFWriter):
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
+def _temp_prefix(target: str) -> str:
+    return "." + os.path.basename(target) + "."
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill there terminates the process: never probe, never remove
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but belongs to someone else (EPERM)
+        return True
+    return True
+
+
+def remove_stale_temporaries(target) -> list[str]:
+    """Delete the temporaries of ``target`` (``.NAME.<pid>.<random>.tmp`` beside it) whose
+    writing process is gone; returns their paths. A process that dies without running its
+    clean-up (SIGKILL) leaves one behind, and it can be as large as the model."""
+    target = os.path.abspath(os.fspath(target))
+    folder, prefix = os.path.dirname(target), _temp_prefix(target)
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        # exactly <pid>.<mkstemp letters>: a longer middle is another output's temporary
+        # (the output "m.gguf.7" has temporaries ".m.gguf.7.<pid>.<random>.tmp")
+        middle = name[len(prefix):-len(".tmp")].split(".")
+        if len(middle) != 2 or not middle[0].isdigit() or _pid_alive(int(middle[0])):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+        except OSError:
+            pass  # not ours to remove (permissions), or another run just removed it
+    return removed
+
+
 class GGUFStreamWriter:
     def __init__(self, target, arch: str, *, inputs=(), overwrite: bool = False,
                  alignment: int | None = None):
@@ -85,8 +128,11 @@ class GGUFStreamWriter:
         folder = os.path.dirname(self.target)
         if not os.path.isdir(folder):
             raise UsageError(about(self.target, "its folder does not exist"))
+        remove_stale_temporaries(self.target)
+        # the writer's pid is in the name, so a later run can tell a temporary that a killed
+        # run left (kill -9, a power cut) from one that a live run is still writing
         fd, self.temp_path = tempfile.mkstemp(
-            prefix="." + os.path.basename(self.target) + ".", suffix=".tmp", dir=folder)
+            prefix=f"{_temp_prefix(self.target)}{os.getpid()}.", suffix=".tmp", dir=folder)
         os.close(fd)
         self._writer = _BulkArrayWriter(self.temp_path, arch)
         if alignment is not None and alignment != self._writer.data_alignment:

@@ -10,6 +10,7 @@ from typing import Callable
 
 from gguf import GGUFValueType as V
 
+from ..errors import UsageError, about
 from ..gguf_io import GGUFFile
 
 __all__ = ["Finding", "validate", "register_check", "register_target_check", "ARCH_RULES"]
@@ -60,8 +61,9 @@ def validate(f: GGUFFile, kind: str, target: str | None = None) -> list[Finding]
         out.extend(check(f))
     if target is not None:
         checks = _TARGET_CHECKS.get(kind) or _TARGET_CHECKS.get("*", [])
-        if not checks:
-            out.append(error(f"--target applies to support GGUFs; this file is kind '{kind}'"))
+        if not checks:  # a wrong command, not a wrong file: exit 2
+            raise UsageError(about(f.path, f"--target applies to support GGUFs; this file is "
+                                           f"kind '{kind}'"))
         for check in checks:
             out.extend(check(f, target))
     return out
@@ -297,6 +299,8 @@ _TOKENIZER_TYPES = {
     "tokenizer.ggml.add_space_prefix": BOOL, "tokenizer.chat_template": STR,
 }
 _TOKEN_IDS = ("bos", "eos", "unknown", "seperator", "padding", "mask", "eot", "eom")
+#: a special token id of -1 stored as UINT32: "unset" (llama.cpp's LLAMA_TOKEN_NULL)
+TOKEN_NULL = 0xFFFFFFFF
 
 
 def _tokenizer_findings(f: GGUFFile) -> list[Finding]:
@@ -326,7 +330,11 @@ def _tokenizer_findings(f: GGUFFile) -> list[Finding]:
                                "pre-tokenizer, which may split text differently"))
     for k in _TOKEN_IDS:
         key = f"tokenizer.ggml.{k}_token_id"
-        if key in md and not 0 <= md[key] < n:
+        if key in md and md[key] == TOKEN_NULL:
+            # llama.cpp's own converters write -1 as UINT32 for "no such token" (its test model
+            # stories260K has them); llama.cpp warns and keeps its default
+            out.append(warning(f"key '{key}' is {TOKEN_NULL} (-1, unset): llama.cpp ignores it"))
+        elif key in md and not 0 <= md[key] < n:
             out.append(error(f"key '{key}' is {md[key]}, outside the {n} tokens"))
     emb = f.tensors.get("token_embd.weight")
     if emb is not None and len(emb.ggml_shape) == 2 and emb.ggml_shape[1] != n:

@@ -122,6 +122,9 @@ def _quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quant
                       tensor_types=options.tensor_types, imatrix=imatrix, imatrix_path=options.imatrix)
     for note in source.notes + plan.warnings:
         report(note)
+    if not options.dry_run:  # --dry-run's table already lists them
+        for note in plan.fallback_notes():
+            report(note)
     if options.dry_run:
         for err in plan.errors:
             report(f"warning: {err} (the real run will stop here)")
@@ -164,10 +167,11 @@ def _declare(writer: GGUFStreamWriter, source: ModelSource, plan: Plan, imatrix,
         datasets = getattr(imatrix, "datasets", None) or []
         if datasets:
             writer.add_key("quantize.imatrix.dataset", str(datasets[0]), V.STRING)
-        writer.add_key("quantize.imatrix.entries_count", len(getattr(imatrix, "entries", {})), V.INT32)
+        # UINT32, as llama-quantize writes its integer overrides since llama.cpp PR 14182
+        writer.add_key("quantize.imatrix.entries_count", len(getattr(imatrix, "entries", {})), V.UINT32)
         chunks = getattr(imatrix, "chunk_count", None)
         if chunks is not None:
-            writer.add_key("quantize.imatrix.chunks_count", int(chunks), V.INT32)
+            writer.add_key("quantize.imatrix.chunks_count", int(chunks), V.UINT32)
     for e in plan.entries:
         writer.add_tensor_info(e.name, e.shape, e.out_type)
 

@@ -72,6 +72,10 @@ class Plan:
     def bits_per_weight(self) -> float:
         return 8.0 * self.out_bytes / max(1, self.n_elements)
 
+    def fallback_notes(self) -> list[str]:
+        """One line per tensor whose type gave way to its row length (llama.cpp says so too)."""
+        return [f"note: {e.name}: written as {e.out_type}: {e.note}" for e in self.entries if e.note]
+
     def table(self) -> str:
         """The --dry-run report: one row per tensor, then the totals."""
         rows = [("tensor", "shape (ne0 first)", "type", "bytes", "bpw", "from")]

@@ -3,6 +3,7 @@ summary line, the ``--target`` pair check, and the check of NextN layers embedde
 Imported by ds4tools.inspect."""
 from __future__ import annotations
 
+from ..errors import UsageError, about
 from ..inspect.kinds import register_kind, register_summary
 from ..inspect.validate import Finding, check_vocab, register_check, register_target_check
 from . import nextn
@@ -45,8 +46,10 @@ register_check(DRAFT)(check_vocab)  # llama.cpp loads the draft's own vocabulary
 
 @register_target_check("*")
 def _not_support(f, target_path: str) -> list[Finding]:
+    # asking to pair a file that is no support GGUF is a wrong command, not a wrong file: exit 2
     det = detect(f)
-    return [Finding("error", f"--target {target_path}: this is not a support GGUF; it is {det.found}")]
+    raise UsageError(about(f.path, f"--target {target_path}: this is not a support GGUF; it is "
+                                   f"{det.found}"))
 
 
 @register_check("model")

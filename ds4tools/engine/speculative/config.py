@@ -67,8 +67,12 @@ class SpecConfig:
 
     @property
     def active(self) -> bool:
-        """Whether any speculative flag was given (resolved() then checks the combination)."""
-        return any(getattr(self, k) not in (None, False) for k in self.__dataclass_fields__)
+        """Whether any speculative flag was given (resolved() then checks the combination).
+
+        By identity, not equality: ``0 == False``, and a value of 0 (``--lookup 0``,
+        ``--dspark-confidence 0``) is a given flag that resolved() must see."""
+        return any(getattr(self, k) is not None and getattr(self, k) is not False
+                   for k in self.__dataclass_fields__)
 
 
 def build_drafter(engine, config: SpecConfig, dspark_default=None):

@@ -18,23 +18,35 @@ import numpy as np
 from ..generate import GenerationStats
 from .acceptance import LazyRows, accept_greedy, accept_sampled
 from .drafter import Drafter, Proposal
-from .stats import SpecStats
+from .stats import PlainCostCurve, SpecStats
+
+
+def next_calibration(pos: int) -> int:
+    """Where to time the next plain step after one at ``pos``: often while the context is
+    short, every 256 positions once it is long (3 one-token forwards each time: about 1% of a
+    long run's steps)."""
+    return pos + min(256, max(32, pos // 2))
 
 
 def calibrate_plain_step(model, token: int, pos: int, sampler, rng, repeats: int = 3):
     """Time a plain one-token decode step at ``pos`` (its cache row is rewritten by the next
-    verify); returns (forward seconds, forward + sampling seconds). ``rng`` is a throwaway."""
+    verify); returns (forward seconds, forward + sampling seconds). ``rng`` is a throwaway.
+
+    The median of the repeats: the minimum is a quiet-machine figure that the decode steps it
+    is compared with do not get on a busy one, and the first repeat may pay a page fault for a
+    new cache row."""
     clock = time.perf_counter
-    fwd = step = float("inf")
+    fwd, step = [], []
     for _ in range(repeats):
         t0 = clock()
         logits = model.forward([token], pos, logits="last").logits[-1]
         t1 = clock()
         sampler.sample(logits, rng)
         t2 = clock()
-        fwd, step = min(fwd, t1 - t0), min(step, t2 - t0)
+        fwd.append(t1 - t0)
+        step.append(t2 - t0)
     model.cache.truncate(pos)
-    return fwd, step
+    return float(np.median(fwd)), float(np.median(step))
 
 
 def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: int, sampler,
@@ -63,6 +75,7 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
     layers, want_final = drafter.hidden_layers, drafter.wants_final_hidden
     # the drafter runs the target's kernels: the same thread setting as the target's forward
     threads = getattr(model, "threads", contextlib.nullcontext)
+    curve, step_positions = PlainCostCurve(), []
     try:
         if max_tokens <= 0:
             stats.stop_reason = "length"
@@ -75,9 +88,7 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
             drafter.start(list(prompt), pre)
         stats.prefill_seconds = clock() - t0
         pos = len(prompt)
-        if calibrate and pos < model.n_ctx:
-            spec.single_forward_seconds, spec.plain_step_seconds = calibrate_plain_step(
-                model, token, pos, sampler, np.random.default_rng(0))
+        next_timing = pos
         while True:
             if token in eog_ids:
                 stats.stop_reason = "eog"
@@ -90,6 +101,12 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
             if pos >= model.n_ctx:
                 stats.stop_reason = "context"
                 return
+
+            if calibrate and pos >= next_timing:  # plain steps along the run, outside the steps' times
+                t0 = clock()
+                curve.add(pos, *calibrate_plain_step(model, token, pos, sampler, np.random.default_rng(0)))
+                spec.calibration_seconds += clock() - t0
+                next_timing = next_calibration(pos)
 
             step_start = clock()
             limit = min(max_tokens - stats.generated_tokens, model.n_ctx - pos - 1)
@@ -117,6 +134,7 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
             t_committed = clock()
 
             spec.record_step(len(drafts), len(drafts), m, proposal.cut)
+            step_positions.append(pos)
             spec.draft_seconds += (t_drafted - step_start) + (t_committed - t_accepted)
             spec.target_verify_seconds += t_verified - t_drafted
             spec.sampling_seconds += t_accepted - t_verified
@@ -126,7 +144,10 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
                 on_step(spec, proposal, m, step_seconds)
             spec.other_seconds += clock() - t_committed
 
+            # tau counts what the step committed: each draft up to an end of generation, and
+            # the bonus token, unless -n ends the run before it
             for d in drafts[:m]:
+                spec.committed += 1
                 if d in eog_ids:
                     stats.stop_reason = "eog"
                     return
@@ -135,10 +156,16 @@ def speculative_decode(model, drafter: Drafter, prompt: list[int], max_tokens: i
                 if stats.generated_tokens >= max_tokens:
                     stats.stop_reason = "length"
                     return
+            spec.committed += 1
             pos += 1 + m
             token = nxt
     finally:
+        stats.stop_reason = stats.stop_reason or "interrupted"
         stats.decode_tokens = max(0, stats.generated_tokens - 1)
         spec.decode_tokens = stats.decode_tokens
         spec.decode_seconds = stats.decode_seconds
+        # plain decoding makes decode token i with a one-token step at position prompt + i
+        spec.plain_forward_seconds += curve.total_forward(step_positions)
+        spec.plain_decode_seconds += curve.total_step(
+            np.arange(len(prompt), len(prompt) + stats.decode_tokens))
         stats.total_seconds = clock() - start
