@@ -4,6 +4,8 @@ Models:
   demo     the bundled demo model (Q8_0, converted into the cache on first use), when installed
   q8_0     a synthetic ~350M-parameter qwen3 GGUF (random weights), Q8_0   (made here)
   q4_k_m   the same model as llama.cpp's Q4_K_M mix                         (made here)
+  q2_k     the same model as llama.cpp's Q2_K mix                           (made here)
+  stories  a stories260K-sized qwen3 (5 layers, 64 wide, vocab 512), Q8_0:  per-token overhead
 
 For each: prefill t/s (a 128-token prompt), decode t/s (greedy steps after it), the GB/s of
 weights streamed per second while decoding against a numpy memory copy measured in the same
@@ -47,6 +49,8 @@ REFERENCE_TPS = {"q8_0": 29.0, "q4_k_m": 50.0}
 # ~350M parameters: 24 layers, hidden 1024, ffn 2816, 16 query / 8 kv heads of 64, vocab 32000
 FULL = dict(n_layer=24, n_embd=1024, n_ff=2816, n_head=16, n_head_kv=8, head_dim=64, n_vocab=32000)
 QUICK = dict(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_vocab=2048)
+# llama.cpp's stories260K test model's shape (its FFN of 172 rounded up to a whole Q8_0 block)
+STORIES = dict(n_layer=5, n_embd=64, n_ff=192, n_head=8, n_head_kv=4, head_dim=8, n_vocab=512)
 
 
 # --- the synthetic model ----------------------------------------------------------------------
@@ -114,7 +118,7 @@ def prepare_models(folder, cfg, names, log) -> dict:
     from ds4tools.quantize import QuantizeOptions, quantize_model
     out = {}
     src = os.path.join(folder, "synthetic-f16.gguf")
-    want = [n for n in names if n in ("q8_0", "q4_k_m")]
+    want = [n for n in names if n in ("q8_0", "q4_k_m", "q2_k")]
     if want and not os.path.exists(src):
         t = time.perf_counter()
         n = make_f16_model(src, cfg)
@@ -124,6 +128,12 @@ def prepare_models(folder, cfg, names, log) -> dict:
         if not os.path.exists(path):
             quantize_model(src, path, QuantizeOptions(name.upper(), progress=False), report=lambda m: None)
         out[name] = path
+    if "stories" in names:
+        small = os.path.join(folder, "stories-f16.gguf")
+        out["stories"] = os.path.join(folder, "stories-q8_0.gguf")
+        if not os.path.exists(out["stories"]):
+            make_f16_model(small, STORIES)
+            quantize_model(small, out["stories"], QuantizeOptions("Q8_0", progress=False), report=lambda m: None)
     if "demo" in names:
         try:
             from ds4tools.engine.demo import demo_model_path
@@ -136,7 +146,7 @@ def prepare_models(folder, cfg, names, log) -> dict:
 # --- measurements -----------------------------------------------------------------------------
 
 
-def measure_model(eng, repeat, n_prompt=128, n_decode=32, ks=range(1, 17)) -> dict:
+def measure_model(eng, repeat, n_prompt=512, n_decode=32, ks=(1, 2, 4, 8, 16)) -> dict:
     hp = eng.hparams
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, hp.n_vocab, n_prompt)
@@ -183,7 +193,7 @@ mp = L.llama_model_default_params()
 mp.use_extra_bufts = False  # its AMX / repacked weight buffers crash in some VMs
 model = L.llama_model_load_from_file(path.encode(), mp)
 cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
+cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
 cp.n_threads = cp.n_threads_batch = threads
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
@@ -215,7 +225,7 @@ def decode():
         tok = int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))))
     return (time.perf_counter() - t) / n_decode
 t_decode = best(decode)
-times = {k: float("inf") for k in (1, 8, 16)}
+times = {k: float("inf") for k in (1, 2, 4, 8, 16)}
 for _ in range(max(repeat, 5)):
     for k in times:
         L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
@@ -226,7 +236,7 @@ print("RESULT " + json.dumps({"prefill_tps": n_prompt / t_prefill, "decode_tps":
 """
 
 
-def llama_cpp_baseline(path, threads, repeat, n_prompt=128, n_decode=32) -> dict | None:
+def llama_cpp_baseline(path, threads, repeat, n_prompt=512, n_decode=32) -> dict | None:
     """llama.cpp (llama-cpp-python's library) on the same file, same threads, in a child process;
     None when it is not installed or fails."""
     try:
@@ -315,7 +325,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--models", default="demo,q8_0,q4_k_m")
+    ap.add_argument("--models", default="demo,stories,q8_0,q4_k_m,q2_k")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="prefill length (and decode depth)")
     ap.add_argument("--quick", action="store_true", help="tiny synthetic models (smoke run)")
     ap.add_argument("--dir", help="where to keep the synthetic GGUFs (default: a temp dir)")
     ap.add_argument("--exact", action="store_true", help="float32 activations everywhere")
@@ -348,8 +359,9 @@ def run(args, folder, log) -> None:
     for name in names:
         if name not in paths:
             continue
-        eng = Engine(paths[name], threads=args.threads, exact=args.exact, n_ctx=512)
-        res = measure_model(eng, args.repeat)
+        eng = Engine(paths[name], threads=args.threads, exact=args.exact, n_ctx=1024)
+        n_prompt = min(args.prompt_tokens, 64) if args.quick else args.prompt_tokens
+        res = measure_model(eng, args.repeat, n_prompt=n_prompt)
         results[name] = res
         ref = REFERENCE_TPS.get(name)
         log(f"\n{name}: {paths[name]}")
@@ -363,13 +375,14 @@ def run(args, folder, log) -> None:
         rs = res["r"]
         log("  r(k): " + " ".join(f"{k}:{v:.2f}" for k, v in rs.items())
             + f"   (1-token forward {res['t1_ms']:.2f} ms at context {res['n_ctx_measured']})")
-        base = None if args.no_llama_cpp else llama_cpp_baseline(paths[name], args.threads, args.repeat)
+        base = None if args.no_llama_cpp else llama_cpp_baseline(paths[name], args.threads, args.repeat,
+                                                                  n_prompt=n_prompt)
         if base:
             log(f"  llama.cpp, same file and threads (no AMX/repack buffers): prefill "
                 f"{base['prefill_tps']:.1f} t/s, decode {base['decode_tps']:.2f} t/s -> ours / theirs: "
                 f"prefill {res['prefill_tps'] / base['prefill_tps']:.2f}, decode "
-                f"{res['decode_tps'] / base['decode_tps']:.2f}; its r(8) {base['r']['8']:.2f}, "
-                f"r(16) {base['r']['16']:.2f}")
+                f"{res['decode_tps'] / base['decode_tps']:.2f}; its r(k): "
+                + " ".join(f"{k}:{v:.2f}" for k, v in base["r"].items()))
         per, wall = kernel_breakdown(eng)
         inside = sum(v for k, v in per.items() if k != "output (norm + logits)")
         log(f"  one decode step {wall * 1e3:.2f} ms: " + ", ".join(

@@ -141,7 +141,7 @@ class DSparkDrafter(Drafter):
     # --- the block ------------------------------------------------------------------------------
 
     def _block(self, anchor: int):
-        """Normed slot outputs h (B, H) and base logits U (B, V) for [anchor, mask x (B-1)]."""
+        """Normed slot outputs h (B, H) for [anchor, mask x (B-1)]."""
         hp, w, B = self.hp, self.w, self.w.block_size
         a = self.n_ctx_rows
         if a + B > self.cache.n_ctx:
@@ -154,20 +154,26 @@ class DSparkDrafter(Drafter):
         self.cache.length = a  # drop the block's rows: only context rows persist
         h = np.empty_like(x)
         kernels.rmsnorm(x, w.norm, hp.rms_eps, h)
-        logits = np.empty((B, self.t.hp.n_vocab), np.float32)
+        return h
+
+    def _base_logits(self, h: np.ndarray) -> np.ndarray:
+        """U (n, V): the target's lm_head on the slot outputs that may be proposed."""
+        logits = np.empty((h.shape[0], self.t.hp.n_vocab), np.float32)
         self.t.weights.output.matmul(h, logits)
-        return h, logits
+        return logits
 
     def propose(self, anchor, max_tokens, sampler, rng) -> Proposal:
         n = min(self.block, max_tokens)
-        out = self._block(int(anchor))
-        if out is None:  # no room in the context for a block: decode without drafts
+        h = self._block(int(anchor))
+        if h is None:  # no room in the context for a block: decode without drafts
             return Proposal()
-        h, U = out
+        # The lm_head is the draft's largest matrix: it runs once, on the n slots that can be
+        # proposed (not the whole block), and not at all when the first slot is cut.
+        U = None
         w = self.w
         prev = int(anchor)
         drafts, qs, confs, cut = [], [], [], False
-        bias = np.empty((1, U.shape[1]), np.float32)
+        bias = np.empty((1, self.t.hp.n_vocab), np.float32)
         for k in range(n):
             m = w.markov_w1.rows(np.array([prev], np.int64))       # (1, rank)
             if w.conf_w is not None:
@@ -177,6 +183,8 @@ class DSparkDrafter(Drafter):
                 if self.threshold > 0 and c < self.threshold:
                     cut = True
                     break
+            if U is None:
+                U = self._base_logits(h[:n])
             if self.markov_table is not None:
                 z = U[k] + self.markov_table[prev]
             else:
