@@ -136,7 +136,7 @@ def prepare_models(folder, cfg, names, log) -> dict:
             quantize_model(small, out["stories"], QuantizeOptions("Q8_0", progress=False), report=lambda m: None)
     if "demo" in names:
         try:
-            from ds4tools.engine.demo import demo_model_path
+            from ds4tools.demo import demo_model_path
             out["demo"] = str(demo_model_path(progress=False))
         except Exception as e:  # noqa: BLE001 - the demo checkpoint may not be installed yet
             log(f"demo model: skipped ({e})")

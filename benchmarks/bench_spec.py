@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
     import ds4tools
     from ds4tools.engine import Engine
-    from ds4tools.engine.demo import demo_model_path, demo_source, demo_support_path
+    from ds4tools.demo import demo_model_path, demo_source, demo_support_path
 
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     prompts_file = demo_source().parent / "prompts.json"
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         names.insert(0, "plain")
     temps = [float(t) for t in args.temps.split(",")]
 
-    engine = Engine(model, threads=args.threads, progress=False)
+    engine = Engine(model, threads=args.threads)
     load = os.getloadavg()[0]
     log(f"demo model {model}; {len(prompts)} prompts x {args.tokens} tokens; threads "
         f"{engine.threads}; load average {load:.2f}")

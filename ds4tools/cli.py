@@ -212,6 +212,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
     Speculative decoding (lossless: greedy output is token-identical to plain decoding, sampled
     output has the same distribution) drafts with an MTP head (--mtp FILE, --glm-mtp), a DSpark
     draft (--mtp FILE --dspark) or prompt lookup (--lookup N)."""
+    from .demo import resolve_model
     from .engine.run import run
     from .engine.speculative.config import SpecConfig
     spec = SpecConfig(mtp_file=mtp_file, glm_mtp=glm_mtp, dspark=dspark, mtp_draft=mtp_draft,
@@ -222,7 +223,8 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
         code = run(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
                    temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
                    threads=threads, cache_type=cache_type, exact=exact, stats=stats,
-                   as_json=as_json, spec=spec if spec.active else None)
+                   as_json=as_json, spec=spec if spec.active else None,
+                   resolve_model=resolve_model)
     sys.exit(code)
 
 

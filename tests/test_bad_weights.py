@@ -54,7 +54,7 @@ def test_run_stops_with_one_line(models, which, args):
 
 
 def test_engine_forward_raises_a_typed_error(models):
-    with Engine(models["attn_norm"], progress=False) as eng:
+    with Engine(models["attn_norm"]) as eng:
         with pytest.raises(NonFiniteLogits):
             eng.forward([1, 2, 3], 0, logits="last")
 

@@ -8,11 +8,12 @@ from click.testing import CliRunner
 from gguf import GGUFReader, GGUFValueType, LlamaFileType
 
 from ds4tools import formats
+from ds4tools.checkpoint import interleave_rope_rows
 from ds4tools.cli import main
 from ds4tools.errors import InvalidContentError, UsageError
+from ds4tools.mixes import TypeChooser, resolve_target
 from ds4tools.quantize import QuantizeOptions, build_plan, open_source, quantize_model
-from ds4tools.quantize.convert import interleave_rope_rows, llama3_rope_factors
-from ds4tools.quantize.mixes import TypeChooser, resolve_target
+from ds4tools.quantize.convert import llama3_rope_factors
 from tests.fixtures import hf_models
 
 

@@ -28,19 +28,19 @@ def demo(tmp_path_factory):
     """The demo's GGUFs, converted into a private cache: target, MTP head, DSpark draft, and the
     target with its NextN layer embedded."""
     import os
-    from ds4tools.engine.demo import demo_model_path, demo_support_path
+    from ds4tools.demo import demo_model_path, demo_support_path
     old = os.environ.get("DS4TOOLS_CACHE")
     os.environ["DS4TOOLS_CACHE"] = str(tmp_path_factory.mktemp("demo-cache"))
     try:
         files = {"target": demo_model_path(progress=False)}
         for kind in ("mtp", "dspark", "nextn"):
-            files[kind] = demo_support_path(kind, progress=False)
+            files[kind] = demo_support_path(kind)
     finally:
         if old is None:
             os.environ.pop("DS4TOOLS_CACHE")
         else:
             os.environ["DS4TOOLS_CACHE"] = old
-    eng = Engine(str(files["target"]), progress=False)
+    eng = Engine(str(files["target"]))
     prompts = [p["text"] for p in json.loads((DEMO / "prompts.json").read_text())][:N_PROMPTS]
     ids = [eng.prompt_tokens(p) for p in prompts]
     plain = [list(decode(eng.model, x, N_TOKENS, GREEDY, np.random.default_rng(0), frozenset()))
@@ -92,7 +92,7 @@ def test_dspark_greedy_is_plain_greedy(demo, block, cut, strict):
 
 def test_embedded_nextn_and_lookup_greedy_are_plain_greedy(demo):
     eng, files, ids, plain = demo
-    nextn = Engine(str(files["nextn"]), progress=False)
+    nextn = Engine(str(files["nextn"]))
     outs, st = _run(nextn, build_drafter(nextn, SpecConfig(glm_mtp=True).resolved(0.0)), ids)
     assert outs == plain and st.accepted > 0
     outs, st = _run(eng, PromptLookupDrafter(8), ids)

@@ -23,7 +23,7 @@ def files(spec_files):
 
 @pytest.fixture(scope="module")
 def engine(files):
-    return Engine(str(files / "target.gguf"), n_ctx=512, progress=False)
+    return Engine(str(files / "target.gguf"), n_ctx=512)
 
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -65,7 +65,7 @@ def test_mtp_greedy_identical(engine, files, n_draft, margin):
 
 
 def test_mtp_from_embedded_nextn_matches_the_support_file(files):
-    eng = Engine(str(files / "target-nextn.gguf"), n_ctx=512, progress=False)
+    eng = Engine(str(files / "target-nextn.gguf"), n_ctx=512)
     ids = eng.prompt_tokens(PROMPT)
     head = mtp_from_nextn(eng.gguf, eng.hparams, "none")
     out, st = _spec(eng, MtpDrafter(eng.model, head, max_draft=3), ids, 48)

@@ -9,11 +9,11 @@ from click.testing import CliRunner
 from gguf import GGUFValueType as V
 
 from ds4tools import formats
+from ds4tools.checkpoint import interleave_rope_rows
 from ds4tools.cli import main
 from ds4tools.gguf_io import open_gguf
 from ds4tools.inspect import inspect_file
 from ds4tools.quantize import QuantizeOptions, quantize_model
-from ds4tools.quantize.convert import interleave_rope_rows
 from ds4tools.support import open_support
 from tests.fixtures import hf_models
 from tests.fixtures.support_models import build_tiny_dsv4, rewrite_gguf

@@ -35,13 +35,29 @@ def _progress(total: int, enabled):
                 disable=None if enabled is None else not enabled)
 
 
-def _load(opts: BenchOptions, n_ctx: int):
-    from ..engine.api import Engine
+def _model_path(opts: BenchOptions):
+    """-m, or the bundled demo model (ds4tools.demo, prepared on first use): with --glm-mtp its
+    variant with the NextN layer embedded."""
+    if opts.model is not None:
+        return opts.model
+    from ..demo import resolve_model
     glm = next((s.config for s in opts.settings if s.config.glm_mtp), None)
-    # without -m and with --glm-mtp the demo's variant with its NextN layer embedded is loaded
-    return Engine(opts.model, n_ctx=n_ctx, threads=opts.threads, cache_type=opts.cache_type,
-                  exact=opts.exact, progress=opts.progress is not False,
-                  spec=glm if opts.model is None else None)
+    return resolve_model(None, glm, progress=opts.progress is not False)[0]
+
+
+def _spec(opts: BenchOptions, setting):
+    """A setting's SpecConfig; on the demo model (no -m), --dspark without --mtp FILE drafts
+    with the demo's DSpark draft."""
+    if opts.model is not None:
+        return setting.config
+    from ..demo import with_demo_draft
+    return with_demo_draft(setting.config, progress=opts.progress is not False)
+
+
+def _load(opts: BenchOptions, model, n_ctx: int):
+    from ..engine.api import Engine
+    return Engine(model, n_ctx=n_ctx, threads=opts.threads, cache_type=opts.cache_type,
+                  exact=opts.exact)
 
 
 def _prompt_ids(engine, opts: BenchOptions, n_tokens: int | None) -> list[int]:
@@ -117,11 +133,12 @@ def run_bench(opts: BenchOptions) -> dict:
         guess = max(sizes)
     else:  # tokens are at most the UTF-8 bytes (+ BOS/EOS): a bound until the text is tokenized
         guess = max(sizes) if sizes else len(opts.prompt.encode("utf-8")) + 4
-    engine = _load(opts, _ctx_needed(opts, max(1, guess)))
+    model = _model_path(opts)
+    engine = _load(opts, model, _ctx_needed(opts, max(1, guess)))
     ids = _prompt_ids(engine, opts, max(sizes) if sizes else None)
     if _ctx_needed(opts, len(ids)) > engine.n_ctx:
         engine.close()
-        engine = _load(opts, _ctx_needed(opts, len(ids)))
+        engine = _load(opts, model, _ctx_needed(opts, len(ids)))
     sizes = [p for p in (sizes or [len(ids)]) if p > 0]
     try:
         return _measure(engine, opts, ids, sizes)
@@ -133,7 +150,7 @@ def _measure(engine, opts: BenchOptions, ids: list[int], sizes: list[int]) -> di
     depth = len(ids)
     drafters = []
     for s in opts.settings:
-        engine.set_spec(s.config, demo=opts.model is None, progress=opts.progress is not False)
+        engine.set_spec(_spec(opts, s))
         drafters.append(engine.drafter)
     engine.spec = engine.drafter = None
 

@@ -6,8 +6,9 @@
 
 Layout: hparams (metadata -> HParams), weights (memory-mapped Linear matrices), kernels
 (compiled row kernels), kv_cache, transformer (the decoder and ``layer_forward``), tokenizer,
-sampling, generate (the decoding loop and its stats), demo (the bundled default model), api
-(``Engine``). docs/engine.md describes the design.
+sampling, generate (the decoding loop and its stats), api (``Engine``, which always takes a
+model path: the bundled demo is ``ds4tools.demo``, above the engine). docs/engine.md describes
+the design.
 """
 from .api import Engine, GeneratedToken, set_threads
 from .generate import GenerationStats

@@ -1,7 +1,7 @@
 """``Engine``: load a llama / qwen3 GGUF and generate text with it.
 
     >>> from ds4tools import Engine
-    >>> eng = Engine("model-q8_0.gguf")          # Engine() runs the bundled demo model
+    >>> eng = Engine("model-q8_0.gguf")          # the demo: ds4tools.demo.demo_engine()
     >>> for tok in eng.generate("def fib(n):", max_tokens=32, temperature=0):
     ...     print(tok.text, end="", flush=True)
     >>> eng.last_stats.decode_tps
@@ -79,8 +79,9 @@ def _not_a_model(f) -> str | None:
 class Engine:
     """A loaded model, its tokenizer and KV cache.
 
-    ``model_path=None`` runs the bundled demo model (converted on first use, see
-    ``ds4tools.engine.demo``). ``exact=True`` keeps every matmul on the float32-activation path
+    ``model_path``: the GGUF to run (required: the bundled demo model is resolved above the
+    engine, by ``ds4tools.demo.resolve_model`` / ``demo_engine``). ``spec``: a SpecConfig to
+    draft with, its support files given. ``exact=True`` keeps every matmul on the float32-activation path
     (equal to the float64 reference on the dequantized weights to float32 rounding);
     otherwise every quantized matrix takes ggml's int8-activation path (``int8`` "default" or
     "all"; "none" is the same as ``exact=True``).
@@ -88,21 +89,17 @@ class Engine:
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
                  cache_type: str = "f32", exact: bool = False, int8: str = "default",
-                 chunk: int = DEFAULT_CHUNK, progress: bool = True, spec=None):
+                 chunk: int = DEFAULT_CHUNK, spec=None):
         if int8 not in INT8_MODES:
             raise UsageError(f"unknown int8 mode {int8!r} (use {', '.join(INT8_MODES)})")
         if cache_type not in CACHE_TYPES:
             raise UsageError(f"--cache-type {cache_type}: use {' or '.join(CACHE_TYPES)}")
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"--ctx {n_ctx}: must be at least 1")
-        self.threads = set_threads(threads)
-        model_path_was_default = model_path is None
         if model_path is None:
-            from .demo import demo_model_path, demo_support_path
-            if spec is not None and spec.active and spec.resolved(temperature=0.0).glm_mtp:
-                model_path = demo_support_path("nextn", progress=progress)  # carries its NextN layer
-            else:
-                model_path = demo_model_path(progress=progress)
+            raise UsageError("no model: pass the path of a GGUF model (the bundled demo model: "
+                             "ds4tools.demo.demo_engine())")
+        self.threads = set_threads(threads)
         path = os.fspath(model_path)
         if os.path.isdir(path):
             raise UsageError(about(path, "is a directory; convert it first with "
@@ -135,7 +132,7 @@ class Engine:
         self.spec = None
         self.drafter = None
         if spec is not None and spec.active:
-            self.set_spec(spec, demo=model_path_was_default, progress=progress)
+            self.set_spec(spec)
 
     # --- pieces ---------------------------------------------------------------------------------
 
@@ -170,18 +167,14 @@ class Engine:
 
     # --- speculative decoding ---------------------------------------------------------------
 
-    def set_spec(self, spec, demo: bool = False, progress: bool = True) -> None:
+    def set_spec(self, spec) -> None:
         """Draft with what ``spec`` (a SpecConfig, ds4's flags) asks for; loads and validates the
-        support file against this model. ``demo``: the model is the bundled demo, whose DSpark
-        draft is used when --dspark comes without a file."""
+        support file against this model (--dspark needs its draft as --mtp FILE: the demo's is
+        filled in above the engine, by ``ds4tools.demo.resolve_model``)."""
         from .speculative.config import build_drafter
         spec = spec.resolved(temperature=0.0)
-        dspark_default = None
-        if demo and spec.dspark and spec.mtp_file is None:
-            from .demo import demo_support_path
-            dspark_default = str(demo_support_path("dspark", progress=progress))
         self.spec = spec
-        self.drafter = build_drafter(self, spec, dspark_default)
+        self.drafter = build_drafter(self, spec)
 
     # --- generation ---------------------------------------------------------------------------
 

@@ -36,10 +36,14 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, top_k=40,
         top_p=0.95, min_p=0.05, seed=None, ctx=None, threads=None, cache_type="f32",
-        exact=False, stats=False, as_json=False, spec=None, stdout=None, stderr=None) -> int:
+        exact=False, stats=False, as_json=False, spec=None, resolve_model=None, stdout=None,
+        stderr=None) -> int:
     """Run one generation; returns the exit code (0, or 130 when interrupted).
 
-    ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding."""
+    ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding.
+    ``resolve_model``: called as ``resolve_model(model, spec)`` once the request is checked and
+    before anything loads, it returns the ``(model, spec)`` to run (the CLI passes
+    ``ds4tools.demo.resolve_model``: without -m, the bundled demo and its draft files)."""
     from .api import Engine, resolve_seed
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr
@@ -49,6 +53,8 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
     seed = resolve_seed(seed)  # a bad seed is refused before the model loads
     if spec is not None:
         spec = spec.resolved(temperature=temp)  # refuse wrong combinations before loading
+    if resolve_model is not None:
+        model, spec = resolve_model(model, spec)
     engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
     if engine.drafter is not None:
         print(f"ds4tools: {engine.drafter.describe()}", file=err)

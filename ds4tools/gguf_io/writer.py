@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
@@ -24,7 +25,25 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueTy
 from ..errors import UsageError, about
 from .reader import byte_shape_of
 
-__all__ = ["GGUFStreamWriter", "same_file", "remove_stale_temporaries"]
+__all__ = ["GGUFStreamWriter", "MetaKey", "format_bytes", "same_file", "remove_stale_temporaries"]
+
+
+@dataclass(frozen=True)
+class MetaKey:
+    """One metadata key to write (``GGUFStreamWriter.add_key``'s arguments): its value type,
+    and for an array the type of its elements."""
+    key: str
+    value: object
+    vtype: GGUFValueType
+    sub_type: GGUFValueType | None = None
+
+
+def format_bytes(n: int) -> str:
+    """A byte count as the write summaries and plans print it ("3.42 MiB")."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def same_file(a, b) -> bool:

@@ -17,18 +17,14 @@ import numpy as np
 import gguf
 from gguf import GGUFValueType as V
 
+from ..checkpoint import (ARCHITECTURES, HFCheckpoint, HFTensor, interleave_rope_rows,
+                          tokenizer_metadata)
 from ..errors import InvalidContentError, about
-from .hf import HFCheckpoint, HFTensor
+from ..gguf_io import MetaKey
 from .source import Hparams, ModelSource, SourceTensor
-from .tokenizer import MetaKey, tokenizer_metadata
 
-__all__ = ["HFSource", "ARCHITECTURES", "NEXTN_NAMES", "interleave_rope_rows", "llama3_rope_factors"]
+__all__ = ["HFSource", "NEXTN_NAMES", "llama3_rope_factors"]
 
-#: HF architecture -> (llama.cpp architecture, gguf MODEL_ARCH, whether q/k rows are reordered)
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", gguf.MODEL_ARCH.LLAMA, True),
-    "Qwen3ForCausalLM": ("qwen3", gguf.MODEL_ARCH.QWEN3, False),
-}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by llama.cpp, never stored
 #: NextN-only Hugging Face names (under model.layers.L.) -> llama.cpp's blk.L.nextn.<part>
@@ -37,17 +33,6 @@ NEXTN_NAMES = {
     "shared_head.norm.weight": "shared_head_norm", "shared_head.head.weight": "shared_head_head",
     "embed_tokens.weight": "embed_tokens",
 }
-
-
-def interleave_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Reorder a q/k projection's output rows from HF's rotate-half rotary layout (pairs are
-    (i, i + d/2) within a head) to llama.cpp's adjacent pairs (2i, 2i + 1)."""
-    rows = w.shape[0]
-    if rows % n_heads or (rows // n_heads) % 2:
-        raise ValueError(f"{rows} rows do not split into {n_heads} heads of even size")
-    half = rows // n_heads // 2
-    return np.ascontiguousarray(
-        w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> np.ndarray:

@@ -16,8 +16,8 @@ from gguf import GGUFValueType as V
 
 from .. import formats
 from ..errors import InvalidContentError, UsageError, about
-from ..gguf_io import GGUFStreamWriter
-from .plan import Plan, PlanEntry, build_plan, format_bytes
+from ..gguf_io import GGUFStreamWriter, format_bytes
+from .plan import Plan, PlanEntry, build_plan
 from .source import ModelSource, open_source
 
 __all__ = ["QuantizeOptions", "QuantizeResult", "quantize_model", "load_imatrix_file"]

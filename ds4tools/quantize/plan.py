@@ -14,10 +14,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import formats
 from ..errors import InvalidContentError, UsageError, about
-from .mixes import Target, TypeChooser, is_quantized, llama_cpp_order, resolve_target
+from ..gguf_io import format_bytes
+from ..mixes import Target, TypeChooser, is_quantized, llama_cpp_order, resolve_target
 from .source import ModelSource
 
-__all__ = ["PlanEntry", "Plan", "build_plan", "parse_tensor_type", "format_bytes"]
+__all__ = ["PlanEntry", "Plan", "build_plan", "parse_tensor_type"]
 
 
 @dataclass
@@ -103,13 +104,6 @@ class Plan:
             lines.append(f"{self.n_fallback} of {len(self.entries)} tensors fell back to another "
                          f"type for their row length")
         return "\n".join(lines)
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def parse_tensor_type(spec: str, available) -> tuple[re.Pattern, str]:

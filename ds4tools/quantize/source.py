@@ -12,8 +12,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGUFValueType as V
 
-from ..gguf_io import GGUFFile, open_gguf
-from .tokenizer import MetaKey
+from ..gguf_io import GGUFFile, MetaKey, open_gguf
 
 __all__ = ["SourceTensor", "ModelSource", "GGUFSource", "open_source", "Hparams"]
 

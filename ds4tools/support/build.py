@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from gguf import GGUFValueType as V
 
+from ..checkpoint import ARCHITECTURES, HFCheckpoint, interleave_rope_rows, tokenizer_metadata
 from ..errors import InvalidContentError, UsageError, about
-from ..quantize.convert import ARCHITECTURES, interleave_rope_rows
-from ..quantize.hf import HFCheckpoint
-from ..quantize.mixes import Target
-from ..quantize.tokenizer import MetaKey, tokenizer_metadata
+from ..gguf_io import MetaKey
+from ..mixes import Target
 from . import dspark_ds4, dspark_llamacpp, mtp, nextn
 from .hf_dspark import LAYER_NAMES, DeepSpecDraft
 from .dsv4_block import HF_BLOCK_NAMES, HF_EXPERT_PROJ

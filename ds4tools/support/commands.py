@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .. import formats
 from ..errors import InvalidContentError, UsageError, about
-from ..quantize.mixes import resolve_target
+from ..mixes import resolve_target
 from . import build
 from .target import hf_config, open_target
 from .write import write_support_gguf

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from gguf import GGUFValueType as V
 
-from ..quantize.tokenizer import MetaKey
+from ..gguf_io import MetaKey
 from . import meta
 from .dsv4_block import block_specs, infer_block_dims
 from .layout import DENSE_DS4, DS4_DSPARK, F32, PLAIN, Problems, TensorSpec, check_tensor

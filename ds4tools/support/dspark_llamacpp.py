@@ -25,7 +25,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as V
 
-from ..quantize.tokenizer import MetaKey
+from ..gguf_io import MetaKey
 from . import meta
 from .layout import LLAMA_CPP, Kind, Problems, TensorSpec, check_tensor
 from .target import Dims, TargetInfo

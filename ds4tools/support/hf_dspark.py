@@ -15,8 +15,8 @@ the target's (DeepSpec copies and freezes them); copies in the checkpoint are le
 """
 from __future__ import annotations
 
+from ..checkpoint import HFCheckpoint, HFTensor
 from ..errors import InvalidContentError, about
-from ..quantize.hf import HFCheckpoint, HFTensor
 from .target import Dims, hf_dims
 
 __all__ = ["DeepSpecDraft", "is_deepspec_config", "LAYER_NAMES"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checkpoint import HFCheckpoint, HFTensor
 from ..errors import InvalidContentError, about
-from ..quantize.hf import HFCheckpoint, HFTensor
 from . import fp8
 from .dsv4_block import HF_BLOCK_NAMES, HF_EXPERT_PROJ
 from .target import Dims, hf_config, hf_dims

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from gguf import GGUFValueType as V
 
-from ..quantize.tokenizer import MetaKey
+from ..gguf_io import MetaKey
 from . import meta
 from .dsv4_block import block_specs, infer_block_dims
 from .layout import (ANY_WEIGHT, DS4_MTP, F32, PLAIN, Q8_0_ONLY, Problems, TensorSpec,

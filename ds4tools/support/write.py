@@ -16,9 +16,8 @@ from gguf import GGUFValueType as V
 
 from .. import formats
 from ..errors import InvalidContentError, about
-from ..gguf_io import GGUFStreamWriter
-from ..quantize.mixes import Target, TypeChooser, block_size
-from ..quantize.plan import format_bytes
+from ..gguf_io import GGUFStreamWriter, format_bytes
+from ..mixes import Target, TypeChooser, block_size
 from .layout import DENSE_DS4, Q8_0_ONLY, TensorSpec
 
 __all__ = ["OutTensor", "WriteResult", "pick_type", "write_support_gguf"]

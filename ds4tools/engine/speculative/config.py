@@ -75,11 +75,11 @@ class SpecConfig:
                    for k in self.__dataclass_fields__)
 
 
-def build_drafter(engine, config: SpecConfig, dspark_default=None):
+def build_drafter(engine, config: SpecConfig):
     """The drafter ``config`` asks for, on ``engine``'s target (None: plain decoding).
 
-    ``config`` must be resolved. ``dspark_default``: a DSpark draft path to use when --dspark
-    comes without --mtp FILE (the bundled demo's)."""
+    ``config`` must be resolved; --dspark takes its draft from --mtp FILE (without -m, the
+    commands fill in the bundled demo's: ``ds4tools.demo.resolve_model``)."""
     from .dspark import DSparkDrafter
     from .load import mtp_from_nextn, open_support_for
     from .lookup import PromptLookupDrafter
@@ -94,9 +94,7 @@ def build_drafter(engine, config: SpecConfig, dspark_default=None):
         return MtpDrafter(engine.model, mtp_from_nextn(engine.gguf, engine.hparams, int8), depth, margin)
     path = config.mtp_file
     if config.dspark and path is None:
-        path = dspark_default
-        if path is None:
-            raise UsageError("--dspark needs the DSpark draft: --mtp DRAFT.gguf")
+        raise UsageError("--dspark needs the DSpark draft: --mtp DRAFT.gguf")
     if path is None:
         return None
     kind, weights = open_support_for(path, engine.path, engine.hparams, int8)

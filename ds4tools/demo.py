@@ -1,10 +1,17 @@
 """The bundled default model: ``ds4tools/data/demo/target`` (a Hugging Face checkpoint shipped
-with the package), converted and quantized to Q8_0 on first use into the user's cache.
+with the package), converted and quantized to Q8_0 on first use into the user's cache, and what
+the commands run when no model is given (``resolve_model``: the CLI's ``run``, ``bench``).
 
 The cached file is named by a hash of the checkpoint's files and of the package version, so an
 updated checkpoint (or converter) gets a fresh conversion and an unchanged one is reused.
 Cache directory: ``$DS4TOOLS_CACHE``, else ``$XDG_CACHE_HOME/ds4tools``, else
 ``~/.cache/ds4tools``. ``$DS4TOOLS_DEMO_SOURCE`` points at another checkpoint (tests).
+
+This sits above the engine and the quantizer (it converts with one and runs the other); the
+engine itself always takes a model path.
+
+    >>> from ds4tools.demo import demo_engine
+    >>> eng = demo_engine()                     # Engine(<the demo's GGUF>), converted on first use
 """
 from __future__ import annotations
 
@@ -12,10 +19,11 @@ import functools
 import hashlib
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from .. import __version__
-from ..errors import UsageError
+from . import __version__
+from .errors import UsageError
 
 DEMO_TYPE = "Q8_0"
 
@@ -24,7 +32,7 @@ def demo_source() -> Path:
     env = os.environ.get("DS4TOOLS_DEMO_SOURCE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "data" / "demo" / "target"
+    return Path(__file__).resolve().parent / "data" / "demo" / "target"
 
 
 def cache_dir() -> Path:
@@ -57,7 +65,7 @@ def demo_model_path(progress: bool = True, report=None) -> Path:
     target = cache_dir() / f"demo-{source_hash(src)}-{DEMO_TYPE.lower()}.gguf"
     if target.is_file():
         return target
-    from ..quantize import QuantizeOptions, quantize_model
+    from .quantize import QuantizeOptions, quantize_model
     say = report or (lambda msg: print(msg, file=sys.stderr))
     target.parent.mkdir(parents=True, exist_ok=True)
     say(f"ds4tools: preparing the demo model (first use): {src} -> {target}")
@@ -86,7 +94,7 @@ def demo_support_path(kind: str, progress: bool = True, report=None) -> Path:
     out = cache_dir() / f"demo-{tag[:24]}-{kind}-{DEMO_TYPE.lower()}.gguf"
     if out.is_file():
         return out
-    from ..quantize import QuantizeOptions, quantize_model
+    from .quantize import QuantizeOptions, quantize_model
     say = report or (lambda msg: print(msg, file=sys.stderr))
     out.parent.mkdir(parents=True, exist_ok=True)
     say(f"ds4tools: preparing the demo's {kind} file (first use): -> {out}")
@@ -101,3 +109,37 @@ def demo_support_path(kind: str, progress: bool = True, report=None) -> Path:
         quantize_model(draft_src, None, QuantizeOptions(DEMO_TYPE, dspark_out=str(out), target=str(src),
                                                         progress=progress, overwrite=True), report=quiet)
     return out
+
+
+def with_demo_draft(spec, progress: bool = True):
+    """``spec`` (a SpecConfig, or None) with the demo's DSpark draft as its file when it asks
+    for --dspark without --mtp FILE (converted on first use); otherwise ``spec`` as it is."""
+    if spec is None or not spec.active:
+        return spec
+    wants = spec.resolved(temperature=0.0)
+    if wants.dspark and wants.mtp_file is None:
+        return replace(spec, mtp_file=str(demo_support_path("dspark", progress=progress)))
+    return spec
+
+
+def resolve_model(model_path, spec=None, progress: bool = True):
+    """The ``(model_path, spec)`` a command runs. A given model comes back as it is, with
+    ``spec`` unchanged (--dspark then needs --mtp FILE). Without one, the bundled demo: its
+    variant with the NextN layer embedded when ``spec`` asks for --glm-mtp, else the demo model;
+    and ``spec`` with the demo's DSpark draft filled in (``with_demo_draft``)."""
+    if model_path is not None:
+        return model_path, spec
+    active = spec is not None and spec.active
+    if active and spec.resolved(temperature=0.0).glm_mtp:
+        model_path = demo_support_path("nextn", progress=progress)  # carries its NextN layer
+    else:
+        model_path = demo_model_path(progress=progress)
+    return model_path, with_demo_draft(spec, progress=progress)
+
+
+def demo_engine(spec=None, *, progress: bool = True, **options):
+    """An ``Engine`` on the bundled demo (what ``ds4tools run`` runs without -m), drafting as
+    ``spec`` asks (``resolve_model``). ``options``: the Engine's (n_ctx, threads, exact...)."""
+    from .engine import Engine
+    model_path, spec = resolve_model(None, spec, progress=progress)
+    return Engine(model_path, spec=spec, **options)

@@ -11,23 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 
 from gguf import GGUFValueType as V
 from gguf import Keys, TokenType
 
 from ..errors import InvalidContentError, about
+from ..gguf_io import MetaKey
 
-__all__ = ["MetaKey", "tokenizer_metadata", "PRE_TOKENIZER_NAMES", "pre_tokenizer_name"]
-
-
-@dataclass(frozen=True)
-class MetaKey:
-    key: str
-    value: object
-    vtype: V
-    sub_type: V | None = None
-
+__all__ = ["tokenizer_metadata", "PRE_TOKENIZER_NAMES", "pre_tokenizer_name"]
 
 # Pre-tokenizer regexes (as tokenizer.json spells them) and the name llama.cpp gives each.
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

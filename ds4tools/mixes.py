@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from ..errors import InvalidContentError, UsageError
+from .errors import InvalidContentError, UsageError
 
 __all__ = ["FTYPES", "ALIASES", "Target", "resolve_target", "TypeChooser", "allows_quantization",
            "tensor_category", "is_quantized", "block_size", "llama_cpp_order"]
