@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ds4tools import formats
 from ds4tools.cli import main
 from ds4tools.engine import Engine
 from ds4tools.engine.transformer import NonFiniteLogits
@@ -62,3 +63,18 @@ def test_engine_forward_raises_a_typed_error(models):
 def test_clean_model_still_runs(models):
     r = CliRunner().invoke(main, ["run", "-m", str(models["clean"]), "-p", "ab", "-n", "4", "--temp", "0"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("name", [n for n, f in formats.FORMATS.items() if f.has_int8_matmul])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_int8_path_keeps_non_finite_activations_visible(name, bad):
+    # quantizing activations must not round a NaN / Inf into finite int8 values
+    fmt = formats.FORMATS[name]
+    rng = np.random.default_rng(5)
+    n = 2 * max(256, fmt.block_size)
+    w = rng.standard_normal((3, n)).astype(np.float32)
+    raw = formats.quantize(w, name, imatrix=np.ones(n, np.float32) if fmt.requires_imatrix else None)
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    x[1, 7] = bad
+    y = formats.matmul(raw, name, w.shape, x, int8=True)
+    assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).any()

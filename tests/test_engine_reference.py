@@ -166,5 +166,6 @@ def test_int8_path_policy(models):
         assert has == (fmt != "F16")
         by_format = {lin.fmt.name: lin.int8 for lin in Engine(path).weights.linears()}
         assert by_format == ({"F16": False, "Q8_0": True} if fmt == "F16" else {fmt: True})
-        assert {lin.int8 for lin in Engine(path, int8="all").weights.linears()} == {has}
+        assert {lin.fmt.name: lin.int8 for lin in Engine(path, int8="all").weights.linears()} == by_format
+        assert {lin.int8 for lin in Engine(path, int8="none").weights.linears()} == {False}
         assert {lin.int8 for lin in Engine(path, int8="all", exact=True).weights.linears()} == {False}

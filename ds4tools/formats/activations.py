@@ -2,7 +2,9 @@
 
 ggml multiplies a quantized weight matrix by activations that it first quantizes to int8
 blocks of its own: Q8_0 (32 values, one scale) for the 32-element formats and Q8_K (256 values,
-one float32 scale, sums of 16) for the K-quants and IQ2_XXS. A row is quantized once per matmul
+one float32 scale, sums of 16) for the K-quants and IQ2_XXS. A NaN or infinity in a block makes
+its scale NaN, so corrupt activations stay visible in the results (never rounded into finite
+integers). A row is quantized once per matmul
 input and then dotted in integers against every weight row; the engine quantizes a normed
 hidden state once for all the matrices that read it (q, k, v; gate, up).
 
@@ -23,6 +25,7 @@ QK_K = 256
 #: values per Q8_K partial sum (the K-quants' sub-block size)
 QK8_K_SUM = 16
 KINDS = ("Q8_0", "Q8_K")
+FLT_MAX = np.float32(3.4028234663852886e38)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class QuantizedActivations:
         return self.q.shape[0]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def quantize_q8_0(x, q, d, sums):
     """ggml's quantize_row_q8_0 (scale stored as fp16, so d is the fp16-rounded value; quants
     from the unrounded one, rounded half away from zero) plus each block's quant sum."""
@@ -49,11 +52,14 @@ def quantize_q8_0(x, q, d, sums):
     for t in range(k):
         for b in range(n // QK8_0):
             amax = np.float32(0.0)
+            finite = True
             for j in range(b * QK8_0, b * QK8_0 + QK8_0):
-                amax = max(amax, abs(x[t, j]))
+                ax = abs(x[t, j])
+                amax = max(amax, ax)
+                finite &= ax <= FLT_MAX  # False for NaN and infinities
             db = amax / np.float32(127.0)
             inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
-            d[t, b] = fp16_to_fp32(fp32_to_fp16(db))
+            d[t, b] = fp16_to_fp32(fp32_to_fp16(db)) if finite else np.float32(np.nan)
             s = 0
             for j in range(b * QK8_0, b * QK8_0 + QK8_0):
                 v = round_away(x[t, j] * inv)
@@ -62,7 +68,7 @@ def quantize_q8_0(x, q, d, sums):
             sums[t, b] = s
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def quantize_q8_k(x, q, d, sums):
     """ggml's quantize_row_q8_K: per 256 values iscale = -127 / (the value of largest
     magnitude), quants nearest_int(iscale * x) capped at 127, d = 1 / iscale, sums of 16."""
@@ -71,12 +77,18 @@ def quantize_q8_k(x, q, d, sums):
         for b in range(n // QK_K):
             amax = np.float32(0.0)
             vmax = np.float32(0.0)
+            finite = True
             for j in range(b * QK_K, (b + 1) * QK_K):
                 ax = abs(x[t, j])
                 if ax > amax:
                     amax = ax
                     vmax = x[t, j]
-            if amax == 0:
+                finite &= ax <= FLT_MAX
+            if not finite:
+                d[t, b] = np.float32(np.nan)
+                for j in range(b * QK_K, (b + 1) * QK_K):
+                    q[t, j] = 0
+            elif amax == 0:
                 d[t, b] = np.float32(0.0)
                 for j in range(b * QK_K, (b + 1) * QK_K):
                     q[t, j] = 0

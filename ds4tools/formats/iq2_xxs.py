@@ -24,6 +24,7 @@ from gguf import quants as _gguf_quants
 from numba import njit, prange
 
 from .base import QuantFormat, register
+from . import _simd
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
 from ._search import GROUP_MAX_EPS, SCRATCH, make_qp_quants, nearest_int
 
@@ -328,67 +329,71 @@ def _iq2_xxs_dequantize(raw, lut, grid_values, signs, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _iq2_xxs_matmul(raw, lut, grid_values, signs, x, out):
+def _iq2_xxs_matmul(raw, lut, grid_u64, sign_mask_u64, x, out, chunk):
+    # A row decodes to db * level * sign with db = d * (0.5 + s) * 0.25, as ggml's dequantizer:
+    # the signed int8 levels come from _simd.unpack_iq2_xxs_blocks (sign * level is exact, so
+    # db * (sign * level) equals (db * level) * sign bit for bit).
     n_out = raw.shape[0]
     k, n_in = x.shape
-    for r in prange(n_out):
+    nbl = n_in // QK_K
+    for c in prange((n_out + chunk - 1) // chunk):
+        q = np.empty(n_in, np.int8)
+        ls = np.empty(n_in // 32, np.int32)
         w = np.empty(n_in, np.float32)
-        for b in range(n_in // QK_K):
-            o = b * BLOCK_BYTES
-            d = lut[np.int64(raw[r, o]) | (np.int64(raw[r, o + 1]) << 8)]
-            _decode_superblock(raw[r], o, d, grid_values, signs, w, b * QK_K)
-        for t in range(k):
-            acc = np.float32(0.0)
-            for i in range(n_in):
-                acc += w[i] * x[t, i]
-            out[t, r] = acc
+        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
+            row = raw[r]
+            _simd.unpack_iq2_xxs_blocks(row, grid_u64, sign_mask_u64, q, ls, nbl)
+            for b in range(nbl):
+                o = b * BLOCK_BYTES
+                d = lut[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+                for ib in range(8):
+                    # ls = 2s + 1: d * (0.5 + s) * 0.25 with 0.5 + s = ls / 2 exactly
+                    db = d * (np.float32(0.5) + np.float32((ls[8 * b + ib] - 1) >> 1)) * np.float32(0.25)
+                    lo = b * QK_K + 32 * ib
+                    for j in range(32):
+                        w[lo + j] = db * np.float32(q[lo + j])
+            for t in range(k):
+                acc = np.float32(0.0)
+                for i in range(n_in):
+                    acc += w[i] * x[t, i]
+                out[t, r] = acc
 
 
 # --- int8 activations (ggml's vec_dot_type for IQ2_XXS is Q8_K: int8 per 256, float scale) ---
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _iq2_xxs_matmul_int8(raw, lut, grid_i8, signs_i8, qx, dx, out, qk):
+#: the grid points' eight int8 levels as one uint64 each, and per 7-bit sign pattern a uint64
+#: with 0xFF in the bytes to negate (the int8 path builds 32 signed levels from 4 + 4 loads)
+_GRID_U64 = np.ascontiguousarray(_GRID_I8).view(np.uint64).reshape(256)
+_SIGN_MASK_U64 = np.where(_SIGNS_I8 < 0, 0xFF, 0).astype(np.uint8).view(np.uint64).reshape(128)
+#: output rows per parallel chunk of the int8 matmul (scratch is allocated once per chunk)
+_Q8_CHUNK = 32
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _iq2_xxs_matmul_int8(raw, lut, grid_u64, sign_mask_u64, qx, dx, out, chunk):
     # ggml's vec_dot_iq2_xxs_q8_K: per 32-block an integer dot product times the odd block
-    # scale 2s+1, per super-block times d_w * d_x, and 1/8 at the end. qk (= 32) arrives at run
-    # time so the block dot products vectorize; the order of every sum is fixed for all t.
+    # scale 2s+1, summed in int32 over the super-block, times d_w * d_x, and 1/8 at the end.
+    # Each weight row is unpacked once for all k activation rows, the block scales folded into
+    # the signed levels as int16 (_simd.unpack_iq2_xxs_blocks_i16); the dot products are
+    # _simd.dot_i16_superblocks (int16 pair sums accumulated in int32 lanes, exact; one
+    # horizontal sum per super-block; the float part in super-block order).
+    # The same code runs for every (t, r), so results do not depend on k or the thread split.
     n_out = raw.shape[0]
     k, n_in = qx.shape
     nbl = n_in // QK_K
-    for r in prange(n_out):
-        q = np.empty(n_in, np.int8)
-        ls = np.empty(n_in // qk, np.int32)
+    for c in prange((n_out + chunk - 1) // chunk):
+        q = np.empty(n_in, np.int16)
+        ls = np.empty(n_in // 32, np.int32)
         d = np.empty(nbl, np.float32)
-        row = raw[r]
-        for b in range(nbl):
-            o0 = b * BLOCK_BYTES
-            d[b] = lut[np.int64(row[o0]) | (np.int64(row[o0 + 1]) << 8)]
-            for ib in range(8):
-                o = o0 + 2 + 8 * ib
-                aux1 = (np.uint32(row[o + 4]) | (np.uint32(row[o + 5]) << np.uint32(8))
-                        | (np.uint32(row[o + 6]) << np.uint32(16)) | (np.uint32(row[o + 7]) << np.uint32(24)))
-                ls[8 * b + ib] = 2 * np.int32(aux1 >> np.uint32(28)) + 1
-                base = b * QK_K + 32 * ib
-                for l in range(4):
-                    g = row[o + l]
-                    sg = (aux1 >> np.uint32(7 * l)) & np.uint32(127)
-                    for j in range(8):
-                        q[base + 8 * l + j] = grid_i8[g, j] * signs_i8[sg, j]
-        for t in range(k):
-            xt = qx[t]
-            acc = np.float32(0.0)
+        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
+            row = raw[r]
+            _simd.unpack_iq2_xxs_blocks_i16(row, grid_u64, sign_mask_u64, q, ls, nbl)
             for b in range(nbl):
-                bsum = np.int32(0)
-                for ib in range(8):
-                    lo = b * QK_K + ib * qk
-                    qb = q[lo:lo + qk]
-                    xb = xt[lo:lo + qk]
-                    s = np.int32(0)
-                    for j in range(qk):
-                        s += np.int32(np.int16(qb[j]) * np.int16(xb[j]))
-                    bsum += s * ls[8 * b + ib]
-                acc += d[b] * dx[t, b] * np.float32(bsum)
-            out[t, r] = np.float32(0.125) * acc
+                o0 = b * BLOCK_BYTES
+                d[b] = lut[np.int64(row[o0]) | (np.int64(row[o0 + 1]) << 8)]
+            for t in range(k):
+                out[t, r] = np.float32(0.125) * _simd.dot_i16_superblocks(q, d, qx[t], dx[t], nbl)
 
 
 @register
@@ -397,6 +402,8 @@ class IQ2_XXS(QuantFormat):
     uses_imatrix = True
     requires_imatrix = True  # ggml_quantize_requires_imatrix
     act_type = "Q8_K"
+    #: the int8 path's numba kernel (for the assembly checks)
+    q8_kernel = _iq2_xxs_matmul_int8
 
     def _cpu_quantize(self, x, imatrix):
         code_map, neighbours = search_tables()
@@ -410,10 +417,11 @@ class IQ2_XXS(QuantFormat):
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _iq2_xxs_matmul(raw, FP16_TO_FP32, GRID_VALUES, SIGN_FACTORS, x, out)
+        _iq2_xxs_matmul(raw, FP16_TO_FP32, _GRID_U64, _SIGN_MASK_U64, x, out, _Q8_CHUNK)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_I8, _SIGNS_I8, act.q, act.d, out, 32)
+        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_U64, _SIGN_MASK_U64,
+                             np.ascontiguousarray(act.q), np.ascontiguousarray(act.d), out, _Q8_CHUNK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

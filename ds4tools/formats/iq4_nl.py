@@ -16,6 +16,7 @@ from gguf import quants as _gguf_quants
 from numba import njit, prange
 
 from .base import QuantFormat, register
+from . import _simd
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 
 QK = 32
@@ -162,53 +163,74 @@ def _unpack_row(rr, lut, values, q, d):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _iq4_nl_matmul(raw, lut, values, x, out, qk):
+def _iq4_nl_matmul(raw, lut, values_i8, x, out, qk, chunk):
     # qk (= 32) arrives at run time: LLVM then vectorizes the block dot products instead of
     # unrolling them into scalar code. The order of every sum is fixed by the compiled code,
-    # the same for each token t, so results do not depend on the batch size.
+    # the same for each token t, so results do not depend on the batch size. A row's levels
+    # are looked up as int8 (_unpack_row_i8: a byte shuffle where the host has one), then
+    # widened to float32: the same values as a float table lookup.
     n_out = raw.shape[0]
     k, n_in = x.shape
     nb = n_in // qk
-    for r in prange(n_out):
+    for c in prange((n_out + chunk - 1) // chunk):
+        qi = np.empty(n_in, np.int8)
         q = np.empty(n_in, np.float32)
         d = np.empty(nb, np.float32)
-        _unpack_row(raw[r], lut, values, q, d)
-        for t in range(k):
-            xt = x[t]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                qb = q[b * qk:(b + 1) * qk]
-                xb = xt[b * qk:(b + 1) * qk]
-                s = np.float32(0.0)
-                for j in range(qk):
-                    s += qb[j] * xb[j]
-                acc += d[b] * s
-            out[t, r] = acc
+        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
+            _unpack_row_i8(raw[r], lut, values_i8, qi, d)
+            for j in range(n_in):
+                q[j] = np.float32(qi[j])
+            for t in range(k):
+                xt = x[t]
+                acc = np.float32(0.0)
+                for b in range(nb):
+                    qb = q[b * qk:(b + 1) * qk]
+                    xb = xt[b * qk:(b + 1) * qk]
+                    s = np.float32(0.0)
+                    for j in range(qk):
+                        s += qb[j] * xb[j]
+                    acc += d[b] * s
+                out[t, r] = acc
 
 
 # --- int8 activations (ggml's vec_dot_type for IQ4_NL is Q8_0: int8 per 32, fp16 scale) -------
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, qk):
+if _simd.HAS_PSHUFB:
+    @njit(cache=True)
+    def _unpack_row_i8(rr, lut, values_i8, q, d):
+        """_unpack_row for the int8 path: the nibble lookup as one byte shuffle per 16 bytes."""
+        nb = d.shape[0]
+        _simd.unpack_nibbles_lut16(rr, values_i8, q, nb, BLOCK_BYTES, 2)
+        for b in range(nb):
+            o = b * BLOCK_BYTES
+            d[b] = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
+else:
+    @njit(cache=True)
+    def _unpack_row_i8(rr, lut, values_i8, q, d):
+        _unpack_row(rr, lut, values_i8, q, d)
+
+
+#: output rows per parallel chunk of the int8 matmul (scratch is allocated once per chunk)
+_Q8_CHUNK = 32
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, chunk):
+    # Each weight row is unpacked once (levels as int8, scales as float32) for all k activation
+    # rows; the dot product of a row pair is _simd.dot_q8_0_blocks: per 32-block 16 int32 pair
+    # sums (pmaddwd), converted and scaled lane-wise, lanes summed at the end in a fixed order.
+    # The same code runs for every (t, r), so results do not depend on k or the thread split.
     n_out = raw.shape[0]
     k, n_in = qx.shape
-    nb = n_in // qk
-    for r in prange(n_out):
+    nb = n_in // QK
+    for c in prange((n_out + chunk - 1) // chunk):
         q = np.empty(n_in, np.int8)
         d = np.empty(nb, np.float32)
-        _unpack_row(raw[r], lut, values_i8, q, d)
-        for t in range(k):
-            xt = qx[t]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                qb = q[b * qk:(b + 1) * qk]
-                xb = xt[b * qk:(b + 1) * qk]
-                s = np.int32(0)  # exact: |127 * 127 * 32| fits easily
-                for j in range(qk):
-                    s += np.int32(np.int16(qb[j]) * np.int16(xb[j]))
-                acc += d[b] * dx[t, b] * np.float32(s)
-            out[t, r] = acc
+        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
+            _unpack_row_i8(raw[r], lut, values_i8, q, d)
+            for t in range(k):
+                out[t, r] = _simd.dot_q8_0_blocks(q, d, qx[t], dx[t], nb)
 
 
 @register
@@ -216,6 +238,8 @@ class IQ4_NL(QuantFormat):
     name, ggml_type, block_size, type_size = "IQ4_NL", T.IQ4_NL, QK, BLOCK_BYTES
     uses_imatrix = True
     act_type = "Q8_0"
+    #: the int8 path's numba kernel (for the assembly checks)
+    q8_kernel = _iq4_nl_matmul_int8
 
     def _cpu_quantize(self, x, imatrix):
         out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
@@ -230,10 +254,11 @@ class IQ4_NL(QuantFormat):
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _iq4_nl_matmul(raw, FP16_TO_FP32, KVALUES, x, out, QK)
+        _iq4_nl_matmul(raw, FP16_TO_FP32, _KVALUES_I8, x, out, QK, _Q8_CHUNK)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, act.q, act.d, out, QK)
+        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, np.ascontiguousarray(act.q),
+                            np.ascontiguousarray(act.d), out, _Q8_CHUNK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

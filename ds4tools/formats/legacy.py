@@ -3,8 +3,9 @@
 Block-level functions (``*_block``) are plain ``@njit`` functions on one block's floats and
 bytes; the CUDA kernels (``ds4tools.formats.cuda.legacy``) call them per thread, and so do the
 CPU kernels where speed does not matter. The hot CPU paths (quantizing without an imatrix,
-decoding) restate the block functions as flat loops over a row, a shape LLVM vectorizes;
-tests/cuda checks that both give the same bytes.
+decoding) restate the block functions as flat loops over a row, a shape LLVM vectorizes, or
+(Q4_0..Q5_1's quantizer) as one block's vector IR (``_block32``); tests/cuda checks that both
+give the same bytes.
 
 Layouts (little endian): Q4_0 = fp16 d, 16 bytes of nibbles (element j low, j+16 high);
 Q4_1 = fp16 d, fp16 m, nibbles; Q5_0 = fp16 d, uint32 qh (bit 4 of element j), nibbles;
@@ -17,8 +18,14 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from .base import QuantFormat, register
+from ._block32 import (QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, block_key_extrema,
+                       f32_from_bits, store_le)
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
+from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
+                       DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
+                       GROUP_BLOCKS, GROUP_BYTES, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0,
+                       UNPACK_Q5_1, UNPACK_Q8_0, WEIGHT_OFFSET)
 
 QK = 32
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -120,10 +127,139 @@ def _q8_0_matmul(raw, lut, x, out, qk):
                 out[t, r1] = a1
 
 
+# --- int8-activation matmuls (ggml's vec_dot_type Q8_0) for all five formats -------------------
+# Each weight row is unpacked once (_int8dot's group layout: unsigned bytes, per-block scales d
+# and offsets m), then dotted with the activation rows by _int8dot's tiles: exact integer block
+# dots, then per lane acc += float(isum_b) * (d_w * d_x) (+ m_b * (d_x * sum(q_x)) for Q4_1 and
+# Q5_1) in a fixed order. Rows are padded with zero blocks to a multiple of GROUP_BLOCKS.
+# Kind numbers: KIND below for Q4_0..Q5_1, and 4 for Q8_0.
+_Q8_KIND_Q8_0 = 4
+_Q8_TYPE_SIZE = (18, 20, 22, 24, 34)
+_Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
+_Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
+
+
+@njit(cache=True)
+def _unpack_groups(kind, rr, lut, u, dw, m, ng):
+    if kind == 0:
+        UNPACK_Q4_0(rr, lut, u, dw, m, ng)
+    elif kind == 1:
+        UNPACK_Q4_1(rr, lut, u, dw, m, ng)
+    elif kind == 2:
+        UNPACK_Q5_0(rr, lut, u, dw, m, ng)
+    elif kind == 3:
+        UNPACK_Q5_1(rr, lut, u, dw, m, ng)
+    else:
+        UNPACK_Q8_0(rr, lut, u, dw, m, ng)
+
+
+@njit(cache=True)
+def _unpack_row_q8(kind, rr, lut, u, dw, m, tail):
+    # One row's blocks -> _int8dot's group layout: unsigned quants u, scales dw, offsets m
+    # (Q4_1/Q5_1; untouched otherwise). A last partial group is unpacked from tail: its
+    # blocks, then zero bytes (scale 0: they add exact zeros).
+    ts = _Q8_TYPE_SIZE[kind]
+    nb = rr.shape[0] // ts
+    ng = nb // GROUP_BLOCKS
+    _unpack_groups(kind, rr, lut, u, dw, m, ng)
+    if nb > ng * GROUP_BLOCKS:
+        tail[:] = 0
+        tail[:rr.shape[0] - ng * GROUP_BLOCKS * ts] = rr[ng * GROUP_BLOCKS * ts:]
+        _unpack_groups(kind, tail, lut, u[ng * GROUP_BYTES:], dw[ng * GROUP_BLOCKS:],
+                       m[ng * GROUP_BLOCKS:], 1)
+
+
+@njit(cache=True)
+def _prep_act_q8(q, d, sums, offset, xq, xcorr, dx, dxs):
+    # Activations once per call, zero-padded to xq's width: quants in _int8dot's group layout
+    # (value 4c + e of block 16g + i at byte 512g + 64c + 4i + e), per block the weight offset
+    # times sum(q), d and d * sum(q).
+    k, n = q.shape
+    nb = n // QK
+    xq[:, :] = 0
+    xcorr[:, :] = 0
+    dx[:, :] = 0
+    dxs[:, :] = 0
+    for t in range(k):
+        for b in range(nb):
+            base = (b // GROUP_BLOCKS) * GROUP_BYTES + 4 * (b % GROUP_BLOCKS)
+            for j in range(QK):
+                xq[t, base + 64 * (j >> 2) + (j & 3)] = q[t, b * QK + j]
+            xcorr[t, b] = offset * sums[t, b]
+            dx[t, b] = d[t, b]
+            dxs[t, b] = d[t, b] * np.float32(sums[t, b])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
+    """out[t, r] = the int8-activation dot of weight row r (raw blocks of ``kind``) and
+    activation row t (from _prep_act_q8). Weight rows go in pairs (an odd last row paired with
+    itself), each pair unpacked once, then dotted with the tokens two at a time (an odd last
+    token alone) by _int8dot's tiles, which give bit-identical results for a (row, token)
+    whatever tile computes it. Long rows go in runs of _Q8_RUN_GROUPS groups, all tokens per
+    run, so a run of weights and activations stays in L1 (the float accumulators carry over)."""
+    n_out = raw.shape[0]
+    k, n_pad = xq.shape
+    nb_pad = n_pad // QK
+    ng = nb_pad // GROUP_BLOCKS
+    n_pairs = (n_out + 1) // 2
+    pairs = _Q8_ROWS_PER_TASK // 2
+    for c in prange((n_pairs + pairs - 1) // pairs):
+        u = np.zeros((2, n_pad), np.uint8)
+        dw = np.zeros((2, nb_pad), np.float32)
+        m = np.zeros((2, nb_pad), np.float32)
+        tail = np.zeros(GROUP_BLOCKS * _Q8_TYPE_SIZE[kind], np.uint8)
+        acc = np.empty((2 * k, 16), np.float32)
+        for pair in range(c * pairs, min(n_pairs, c * pairs + pairs)):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, n_out - 1)
+            _unpack_row_q8(kind, raw[r0], lut, u[0], dw[0], m[0], tail)
+            _unpack_row_q8(kind, raw[r1], lut, u[1], dw[1], m[1], tail)
+            acc[:, :] = 0
+            for g0 in range(0, ng, _Q8_RUN_GROUPS):
+                g1 = min(ng, g0 + _Q8_RUN_GROUPS)
+                for t in range(0, k - 1, 2):
+                    if kind == _Q8_KIND_Q8_0:
+                        v00, v01, v10, v11 = DOT_2x2_Q8(u, dw, m, xq, xcorr, dx, dxs, acc,
+                                                        g0, g1, 0, t)
+                    elif kind == 0 or kind == 2:
+                        v00, v01, v10, v11 = DOT_2x2_SYM(u, dw, m, xq, xcorr, dx, dxs, acc,
+                                                         g0, g1, 0, t)
+                    else:
+                        v00, v01, v10, v11 = DOT_2x2_AFF(u, dw, m, xq, xcorr, dx, dxs, acc,
+                                                         g0, g1, 0, t)
+                    out[t, r0] = v00
+                    out[t + 1, r0] = v01
+                    out[t, r1] = v10
+                    out[t + 1, r1] = v11
+                if k % 2:
+                    if kind == _Q8_KIND_Q8_0:
+                        v0, v1 = DOT_2x1_Q8(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
+                    elif kind == 0 or kind == 2:
+                        v0, v1 = DOT_2x1_SYM(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
+                    else:
+                        v0, v1 = DOT_2x1_AFF(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
+                    out[k - 1, r0] = v0
+                    out[k - 1, r1] = v1
+
+
+def _cpu_matmul_q8_legacy(kind, raw, act, out):
+    k, n = act.q.shape
+    nb_pad = -(-(n // QK) // GROUP_BLOCKS) * GROUP_BLOCKS
+    xq = np.empty((k, nb_pad * QK), np.int8)
+    xcorr = np.empty((k, nb_pad), np.int32)
+    dx = np.empty((k, nb_pad), np.float32)
+    dxs = np.empty((k, nb_pad), np.float32)
+    _prep_act_q8(act.q, act.d, act.sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
+    _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
+
+
 @register
 class Q8_0(QuantFormat):
     name, ggml_type, block_size, type_size = "Q8_0", T.Q8_0, 32, 34
     uses_imatrix = False  # ggml's quantize_q8_0 ignores importance weights
+    act_type = "Q8_0"
+    q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
         out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
@@ -137,6 +273,9 @@ class Q8_0(QuantFormat):
 
     def _cpu_matmul(self, raw, x, out):
         _q8_0_matmul(raw, FP16_TO_FP32, x, out, QK)
+
+    def _cpu_matmul_q8(self, raw, act, out):
+        _cpu_matmul_q8_legacy(_Q8_KIND_Q8_0, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import legacy as k
@@ -379,90 +518,61 @@ def _quantize_weighted(kind, x, qw, out):
 
 
 @njit(cache=True)
-def _min_max_fast(xr, lo):
-    # min and max of xr[lo:lo+32] with four independent chains (a single chain of compares is
-    # latency-bound). Same values as _min_max, except possibly the sign of a zero result.
-    a0, a1, a2, a3 = xr[lo], xr[lo + 1], xr[lo + 2], xr[lo + 3]
-    b0, b1, b2, b3 = a0, a1, a2, a3
-    for j in range(lo + 4, lo + QK, 4):
-        v0, v1, v2, v3 = xr[j], xr[j + 1], xr[j + 2], xr[j + 3]
-        a0 = v0 if v0 < a0 else a0
-        a1 = v1 if v1 < a1 else a1
-        a2 = v2 if v2 < a2 else a2
-        a3 = v3 if v3 < a3 else a3
-        b0 = v0 if v0 > b0 else b0
-        b1 = v1 if v1 > b1 else b1
-        b2 = v2 if v2 > b2 else b2
-        b3 = v3 if v3 > b3 else b3
-    a0 = a1 if a1 < a0 else a0
-    a2 = a3 if a3 < a2 else a2
-    b0 = b1 if b1 > b0 else b0
-    b2 = b3 if b3 > b2 else b2
-    return (a2 if a2 < a0 else a0), (b2 if b2 > b0 else b0)
+def _quantize_block_ir(kind, xr, lo, vmin, inv, o, qs_off):
+    if kind == 0:
+        return QUANT_Q4_0(xr, lo, vmin, inv, o, qs_off)
+    if kind == 1:
+        return QUANT_Q4_1(xr, lo, vmin, inv, o, qs_off)
+    if kind == 2:
+        return QUANT_Q5_0(xr, lo, vmin, inv, o, qs_off)
+    return QUANT_Q5_1(xr, lo, vmin, inv, o, qs_off)
+
+
+@njit(cache=True)
+def _key_bits(k):
+    # a block_key_extrema sort key back to the float's bits (the map is its own inverse)
+    return np.int32(k ^ ((k >> 31) & 0x7FFFFFFF))
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_ref(kind, x, out):
-    # quantize_block restated for speed (see _q8_0_quantize): per-block scales first, then one
-    # flat, vectorizable loop over the row with per-element scale and offset, then packing.
+    # quantize_block restated for speed, one block at a time with _block32's vector IR: the
+    # block's extrema, its scale(s) in scalar float32 exactly as ggml, then values, packing and
+    # stores in vector code. No scratch. tests/cuda checks it agrees with quantize_block.
     rows, n = x.shape
     nb = n // QK
     ts = TYPE_SIZE[kind]
     affine = kind == 1 or kind == 3
+    qs = 2 if kind == 0 else (4 if kind == 1 else (6 if kind == 2 else 8))
     for r in prange(rows):
         xr = x[r]
         o = out[r]
-        inv = np.empty(n, np.float32)
-        base = np.empty(n, np.float32)
-        q = np.empty(n, np.uint8)
         for b in range(nb):
             lo = b * QK
-            vmin, vmax = _min_max_fast(xr, lo)
+            kmin, kmax = block_key_extrema(xr, lo)
+            bmin = _key_bits(kmin)
+            bmax = _key_bits(kmax)
+            vmin = f32_from_bits(bmin)
+            vmax = f32_from_bits(bmax)
             if affine:
                 if vmin == 0 or vmax == 0:  # the sign of a zero matters: ggml's exact scan
                     vmin, vmax = _min_max(xr[lo:lo + QK])
                 d = (vmax - vmin) / (np.float32(15.0) if kind == 1 else np.float32(31.0))
-                put_fp16(o, b * ts + 2, to_fp16(vmin))
-                base[lo:lo + QK] = vmin
+                store_le(o, b * ts + 2, np.uint16(to_fp16(vmin)))
             else:
-                # the first value of largest magnitude; only a +m/-m tie needs ggml's scan
-                if vmax > -vmin:
-                    vmax = vmax
-                elif -vmin > vmax:
-                    vmax = vmin
-                else:
+                # the first value of largest magnitude; only a +m/-m tie (or all zeros) needs
+                # ggml's scan. Which of max and min wins is a coin flip: chosen without a branch.
+                if vmax == -vmin:
                     vmax = _symmetric_scale(xr[lo:lo + QK], np.float32(1.0))
+                else:
+                    pick_max = -np.int32(vmax > -vmin)
+                    vmax = f32_from_bits(np.int32((bmin & ~pick_max) | (bmax & pick_max)))
                 d = vmax / (np.float32(-8.0) if kind == 0 else np.float32(-16.0))
-            put_fp16(o, b * ts, to_fp16(d))
-            inv[lo:lo + QK] = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-        if kind == 0:
-            for i in range(n):
-                q[i] = min(15, np.int32(xr[i] * inv[i] + np.float32(8.5)))
-        elif kind == 1:
-            for i in range(n):
-                q[i] = min(15, np.int32((xr[i] - base[i]) * inv[i] + np.float32(0.5)))
-        elif kind == 2:
-            for i in range(n):
-                q[i] = min(31, np.int32(xr[i] * inv[i] + np.float32(16.5)))
-        else:
-            for i in range(n):
-                q[i] = np.int32((xr[i] - base[i]) * inv[i] + np.float32(0.5)) & 0xFF
-        qs = 2 if kind == 0 else (4 if kind == 1 else (6 if kind == 2 else 8))
-        for b in range(nb):
-            ob = b * ts + qs
-            qb = b * QK
-            if kind <= 1:
-                for j in range(16):
-                    o[ob + j] = q[qb + j] | (q[qb + 16 + j] << 4)
-            else:
-                qh = np.uint32(0)
-                for j in range(16):
-                    lo4 = q[qb + j]
-                    hi4 = q[qb + 16 + j]
-                    o[ob + j] = (lo4 & 0x0F) | ((hi4 & 0x0F) << 4)
-                    qh |= np.uint32((lo4 >> 4) & 1) << j
-                    qh |= np.uint32((hi4 >> 4) & 1) << (j + 16)
-                _put_u32(o, ob - 4, qh)
+            store_le(o, b * ts, np.uint16(to_fp16(d)))  # integer ops on the bits, as Q8_0
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            qh = _quantize_block_ir(kind, xr, lo, vmin, inv, o, b * ts + qs)
+            if kind >= 2:
+                store_le(o, b * ts + qs - 4, qh)
 
 
 #: 16, passed to the decoders at run time: with a constant trip count LLVM unrolls their
@@ -512,24 +622,56 @@ def _dequantize(kind, raw, lut, out, half):
         _decode_row(kind, raw[r], lut, out[r], half)
 
 
+@njit(cache=True)
+def _decode_row_f32(kind, rr, lut, w):
+    # bit-identical to _decode_row (tests/test_formats_int8_legacy.py), as vector IR: 3x faster
+    nb = w.shape[0] // QK
+    if kind == 0:
+        DECODE_F32_Q4_0(rr, lut, w, nb)
+    elif kind == 1:
+        DECODE_F32_Q4_1(rr, lut, w, nb)
+    elif kind == 2:
+        DECODE_F32_Q5_0(rr, lut, w, nb)
+    else:
+        DECODE_F32_Q5_1(rr, lut, w, nb)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _matmul(kind, raw, lut, x, out, half):
+    # Decode two rows to floats (exactly the dequantized weights), then for each activation
+    # row one pass computing both flat dots: the x loads are shared and two reductions are in
+    # flight. Every row goes through this same two-row code (an odd last row is paired with
+    # itself), so a row's result never depends on its neighbour, on k or on where a thread's
+    # chunk starts (as _q8_0_matmul). half: unused, kept for the signature.
     n_out = raw.shape[0]
     k, n_in = x.shape
-    for r in prange(n_out):
-        w = np.empty(n_in, np.float32)
-        _decode_row(kind, raw[r], lut, w, half)
-        for t in range(k):
-            acc = np.float32(0.0)
-            for i in range(n_in):
-                acc += w[i] * x[t, i]
-            out[t, r] = acc
+    n_pairs = (n_out + 1) // 2
+    chunk = 4  # pairs per task: scratch is allocated once per task, not per row
+    for c in prange((n_pairs + chunk - 1) // chunk):
+        w0 = np.empty(n_in, np.float32)
+        w1 = np.empty(n_in, np.float32)
+        for pair in range(c * chunk, min(n_pairs, c * chunk + chunk)):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, n_out - 1)
+            _decode_row_f32(kind, raw[r0], lut, w0)
+            _decode_row_f32(kind, raw[r1], lut, w1)
+            for t in range(k):
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                for i in range(n_in):
+                    xi = x[t, i]
+                    a0 += w0[i] * xi
+                    a1 += w1[i] * xi
+                out[t, r0] = a0
+                out[t, r1] = a1
 
 
 class _Legacy32(QuantFormat):
     """Q4_0, Q4_1, Q5_0, Q5_1: the kernels above, selected by the format's kind number."""
     block_size = QK
     uses_imatrix = True
+    act_type = "Q8_0"
+    q8_kernel = _matmul_q8
 
     @property
     def kind(self) -> int:
@@ -550,6 +692,9 @@ class _Legacy32(QuantFormat):
 
     def _cpu_matmul(self, raw, x, out):
         _matmul(self.kind, raw, FP16_TO_FP32, x, out, HALF)
+
+    def _cpu_matmul_q8(self, raw, act, out):
+        _cpu_matmul_q8_legacy(self.kind, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import legacy as k

@@ -1,0 +1,65 @@
+"""What the int8 matmul kernels compile to: the packed integer instructions in their machine code.
+
+numba does not show the assembly of code loaded from its cache, so the kernel is compiled once
+more, uncached, for the signature it already ran with. Used by tests/test_kernel_asm.py (which
+fails when a hot loop is scalar) and benchmarks/kernel_asm.py (the table in docs/engine.md).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import numba
+import numpy as np
+
+#: packed integer multiply(-add)s, the instructions an int8 dot product should run on:
+#: VNNI (vpdpbusd u8 x s8, vpdpwssd s16 x s16), AVX2 / SSE (pmaddubsw, pmaddwd), AArch64 (sdot)
+PACKED_DOT = ("vpdpbusd", "vpdpbusds", "vpdpwssd", "vpdpwssds", "vpmaddubsw", "pmaddubsw",
+              "vpmaddwd", "pmaddwd", "sdot", "udot")
+#: what a scalar integer multiply looks like on x86 (for the report)
+SCALAR_MUL = ("imull", "imulq")
+
+
+def _exercise(fmt) -> None:
+    """Run the format's int8 matmul once on a small matrix so its kernel has a signature."""
+    from . import matmul, quantize
+    n_in = 2 * max(256, fmt.block_size)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, n_in)).astype(np.float32)
+    imatrix = np.ones(n_in, np.float32) if fmt.requires_imatrix else None
+    raw = quantize(w, fmt.name, imatrix=imatrix)
+    matmul(raw, fmt.name, w.shape, rng.standard_normal((2, n_in)).astype(np.float32), int8=True)
+
+
+def kernel_assembly(fmt) -> str:
+    """The machine code (AT&T syntax, as LLVM prints it) of ``fmt.q8_kernel`` for this host."""
+    kernel = getattr(fmt, "q8_kernel", None)
+    if kernel is None:
+        raise TypeError(f"format {fmt.name} names no q8_kernel")
+    if not kernel.signatures:
+        _exercise(fmt)
+    options = {k: v for k, v in kernel.targetoptions.items() if k not in ("cache", "nopython")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh = numba.njit(**options)(kernel.py_func)
+        fresh.compile(kernel.signatures[0])
+        return fresh.inspect_asm(fresh.signatures[0])
+
+
+def instruction_counts(asm: str, names=PACKED_DOT + SCALAR_MUL) -> Counter:
+    """How often each instruction in ``names`` appears in ``asm`` (as a mnemonic)."""
+    found = Counter()
+    for line in asm.splitlines():
+        parts = line.split()
+        if parts and parts[0] in names:
+            found[parts[0]] += 1
+    return found
+
+
+def host_cpu() -> str:
+    """The CPU numba compiles for, and its dot-product features."""
+    import llvmlite.binding as llvm
+    feats = llvm.get_host_cpu_features()
+    have = [f for f in ("avx2", "avx512bw", "avx512vnni", "avxvnni") if feats.get(f)]
+    return f"{llvm.get_host_cpu_name()} ({', '.join(have) or 'no AVX2'})"
+

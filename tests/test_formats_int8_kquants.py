@@ -1,0 +1,134 @@
+"""The K-quants' int8-activation matmul (Q8_K activations, ggml's vec_dot_q*_K_q8_K) against a
+numpy reference built from the same quantized activations and the weights' integer quants and
+sub-block scales decoded here, independently of the kernels."""
+import numpy as np
+import pytest
+
+from ds4tools import formats
+from ds4tools.formats.activations import quantize_activations
+
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+N_OUT = 33
+
+
+def _f16(b, off):
+    return (b[:, :, off] | (b[:, :, off + 1] << 8)).astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _decode_ints(raw, name, n_in):
+    """Per row and super-block: d, dmin (0 where none), integer quants q (rows, nsb, 256) with
+    any offset subtracted, integer scales per value (rows, nsb, 256) and mins per 16 values
+    (rows, nsb, 16), such that w = d * scale * q - dmin * min."""
+    f = formats.FORMATS[name]
+    rows, nsb = raw.shape[0], n_in // 256
+    b = raw.reshape(rows, nsb, f.type_size).astype(np.int64)
+    e = np.arange(256)
+    zero = np.zeros((rows, nsb))
+    if name == "Q2_K":
+        sc = b[:, :, e // 16]
+        q = (b[:, :, 16 + 32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32))) & 3
+        return _f16(b, 80), _f16(b, 82), q, sc & 0xF, b[:, :, 0:16] >> 4
+    if name == "Q3_K":
+        q = (b[:, :, 32 + 32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32))) & 3
+        q = q - 4 * (((b[:, :, e % 32] >> (e // 32)) & 1) == 0)
+        j = np.arange(16)
+        lo = np.where(j < 8, b[:, :, 96 + j % 8] & 0xF, b[:, :, 96 + j % 8] >> 4)
+        hi = (b[:, :, 104 + j % 4] >> (2 * (j // 4))) & 3
+        sc16 = (lo | (hi << 4)) - 32
+        return _f16(b, 108), zero, q, sc16[:, :, e // 16], np.zeros((rows, nsb, 16), np.int64)
+    if name in ("Q4_K", "Q5_K"):
+        s = b[:, :, 4:16]
+        j = np.arange(8)
+        lo4 = np.minimum(j, 3)  # indices valid for both branches; selected with np.where
+        sc8 = np.where(j < 4, s[:, :, lo4] & 63, (s[:, :, j % 4 + 8] & 0xF) | ((s[:, :, j % 4] >> 6) << 4))
+        m8 = np.where(j < 4, s[:, :, lo4 + 4] & 63, (s[:, :, j % 4 + 8] >> 4) | ((s[:, :, j % 4 + 4] >> 6) << 4))
+        qs = 48 if name == "Q5_K" else 16
+        jj = e // 32
+        q = (b[:, :, qs + 32 * (jj // 2) + e % 32] >> (4 * (jj % 2))) & 0xF
+        if name == "Q5_K":
+            q = q + 16 * ((b[:, :, 16 + e % 32] >> jj) & 1)
+        return _f16(b, 0), _f16(b, 2), q, sc8[:, :, jj], np.repeat(m8, 2, axis=2)
+    h, quarter, l = e // 128, (e % 128) // 32, e % 32
+    ql = b[:, :, 64 * h + l + 32 * (quarter & 1)]
+    q = (((ql >> (4 * (quarter >> 1))) & 0xF) | (((b[:, :, 128 + 32 * h + l] >> (2 * quarter)) & 3) << 4)) - 32
+    sc = b[:, :, 192 + e // 16]
+    sc = np.where(sc > 127, sc - 256, sc)
+    return _f16(b, 208), zero, q, sc, np.zeros((rows, nsb, 16), np.int64)
+
+
+def _reference(raw, name, act, n_in):
+    """ggml's sum over super-blocks of d_x * (d_w * sum(scale * q * q_x) - dmin * sum(m * bsums)),
+    integer parts exact, the rest in float64."""
+    d, dmin, q, sc, m = _decode_ints(raw, name, n_in)
+    k, nsb = act.q.shape[0], n_in // 256
+    qx = act.q.astype(np.int64).reshape(k, nsb, 256)
+    isum = np.einsum("rse,tse->trs", sc * q, qx)
+    msum = np.einsum("rsj,tsj->trs", m, act.sums.astype(np.int64).reshape(k, nsb, 16))
+    return (act.d.astype(np.float64)[:, None, :] * (d[None] * isum - dmin[None] * msum)).sum(axis=2)
+
+
+def _case(name, n_in, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((N_OUT, n_in)).astype(np.float32) * np.float32(0.5)
+    w[5] = 0.0  # a row of zeros
+    w[7, :n_in // 2] *= np.float32(30.0)  # uneven scales across super-blocks
+    raw = formats.quantize(w, name)
+    x = rng.standard_normal((17, n_in)).astype(np.float32)
+    x[3] = 0.0  # an activation row of zeros
+    x[9] *= np.float32(1e3)
+    return w, raw, x
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+@pytest.mark.parametrize("n_in", [256, 512, 768])
+def test_int8_matmul_matches_integer_reference(name, n_in):
+    w, raw, x = _case(name, n_in, 100 + n_in)
+    f = formats.FORMATS[name]
+    assert f.act_type == "Q8_K" and f.has_int8_matmul
+    # the integer decoding reproduces the format's own dequantization
+    d, dmin, q, sc, m = _decode_ints(raw, name, n_in)
+    wq = d[..., None] * sc * q - dmin[..., None] * np.repeat(m, 16, axis=2)
+    np.testing.assert_allclose(wq.reshape(N_OUT, n_in), formats.dequantize(raw, name, w.shape),
+                               rtol=1e-6, atol=1e-6)
+    act = quantize_activations(x, "Q8_K")
+    ref = _reference(raw, name, act, n_in)
+    out = np.empty((x.shape[0], N_OUT), np.float32)
+    f._cpu_matmul_q8(raw, act, out)
+    scale = np.abs(ref).max(axis=1, keepdims=True) + 1e-30
+    assert (np.abs(out - ref) / scale).max() < 1e-5
+    np.testing.assert_array_equal(out[3], 0.0)
+    np.testing.assert_array_equal(out[:, 5], 0.0)
+    # the public wrapper quantizes the same way, and the result is close to the f32 product
+    y = formats.matmul(raw, name, w.shape, x, int8=True)
+    np.testing.assert_array_equal(y, out)
+    exact = x.astype(np.float64) @ formats.dequantize(raw, name, w.shape).T.astype(np.float64)
+    assert np.abs(y - exact).max() < 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_int8_matmul_batch_and_row_invariance(name):
+    n_in = 768
+    w, raw, x = _case(name, n_in, 7)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)
+    for k in range(1, 18):
+        for t0 in sorted({0, 17 - k, (17 - k) // 2}):
+            np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t0:t0 + k], int8=True),
+                                          full[t0:t0 + k])
+    for r0, r1 in [(0, 1), (1, 2), (3, 20), (16, 33), (32, 33)]:
+        np.testing.assert_array_equal(formats.matmul(raw[r0:r1], name, (r1 - r0, n_in), x, int8=True),
+                                      full[:, r0:r1])
+    np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[4], int8=True), full[4])
+    empty = np.empty((0, N_OUT), np.float32)
+    formats.FORMATS[name]._cpu_matmul_q8(raw, quantize_activations(x[:0], "Q8_K"), empty)
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_f32_matmul_batch_invariance(name):
+    n_in = 512
+    w, raw, x = _case(name, n_in, 8)
+    full = formats.matmul(raw, name, w.shape, x)
+    exact = x.astype(np.float64) @ formats.dequantize(raw, name, w.shape).T.astype(np.float64)
+    assert (np.abs(full - exact) / (np.abs(exact).max(axis=1, keepdims=True) + 1e-30)).max() < 1e-5
+    for k in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        for t0 in sorted({0, 17 - k}):
+            np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t0:t0 + k]), full[t0:t0 + k])

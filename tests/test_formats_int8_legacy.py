@@ -1,0 +1,190 @@
+"""The int8-activation matmuls of the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+
+Each is checked against a numpy reference built from the same quantized activations
+(activations.quantize_activations) and the integer weights decoded here from the raw bytes:
+exact integer block dots times the scales, so only the float summation order differs. Also:
+close to the exact float product, zero rows and blocks give exact zeros, and a (row, token)
+result is bit-identical whatever the batch size, the slice of tokens or of weight rows, and
+whichever integer route (VNNI or generic IR) computed it.
+"""
+import numpy as np
+import pytest
+from numba import njit
+
+from ds4tools import formats
+from ds4tools.formats import _int8dot
+from ds4tools.formats.activations import quantize_activations
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+
+
+def _decode(raw, name, n_out, n_in):
+    """(q int64 (n_out, nb, 32), d float64 (n_out, nb), m float64 (n_out, nb)): w = d * q + m."""
+    ts = formats.FORMATS[name].type_size
+    b = raw.reshape(n_out, n_in // 32, ts)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = np.zeros_like(d)
+    if name == "Q8_0":
+        return b[..., 2:34].copy().view(np.int8).astype(np.int64), d, m
+    off = 2
+    if name in ("Q4_1", "Q5_1"):
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        off = 4
+    qh = None
+    if name in ("Q5_0", "Q5_1"):
+        qh = b[..., off:off + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+        off += 4
+    nib = b[..., off:off + 16].astype(np.int64)
+    q = np.concatenate([nib & 15, nib >> 4], axis=-1)
+    if qh is not None:
+        q |= ((qh[..., None] >> np.arange(32)) & 1) << 4
+    q -= {"Q4_0": 8, "Q5_0": 16}.get(name, 0)
+    return q, d, m
+
+
+def _case(name, n_out, n_in, k, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    w[1] = 0.0                  # a zero row
+    w[4, 32:96] = 0.0           # zero blocks
+    w[6] += 3.0                 # an offset row (matters for Q4_1 / Q5_1)
+    raw = formats.quantize(w, name)
+    x = rng.standard_normal((k, n_in)).astype(np.float32)
+    x[2] = 0.0                  # a zero activation row
+    x[3, :64] = 0.0             # zero activation blocks
+    return w, raw, x
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("n_out,n_in", [(33, 32 * 21), (67, 32 * 5), (9, 32 * 147)])
+def test_int8_matmul_matches_integer_reference(name, n_out, n_in):
+    w, raw, x = _case(name, n_out, n_in, 7, seed=n_out + n_in)
+    q, d, m = _decode(raw, name, n_out, n_in)
+    wd = formats.dequantize(raw, name, w.shape)
+    np.testing.assert_array_equal((d[..., None] * q + m[..., None]).reshape(n_out, n_in)
+                                  .astype(np.float32), wd)  # the decoder above is right
+    got = formats.matmul(raw, name, w.shape, x, int8=True)
+
+    act = quantize_activations(x, "Q8_0")
+    qx = act.q.astype(np.int64).reshape(len(x), n_in // 32, 32)
+    dx = act.d.astype(np.float64)
+    xsum = qx.sum(-1)
+    np.testing.assert_array_equal(xsum, act.sums)
+    isum = np.einsum("rbj,tbj->trb", q, qx)                           # exact integer block dots
+    terms = isum * d[None] * dx[:, None] + m[None] * (dx * xsum)[:, None]
+    ref = terms.sum(-1)
+    scale = np.abs(terms).sum(-1) + 1e-30
+    assert (np.abs(got - ref) <= 1e-5 * scale).all(), np.max(np.abs(got - ref) / scale)
+
+    exact = x.astype(np.float64) @ wd.T.astype(np.float64)
+    assert np.abs(got - exact).max() <= 2e-2 * np.abs(exact).max()
+
+    assert (got[:, 1] == 0).all() and (got[2] == 0).all()  # zero row, zero activations
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_int8_matmul_batch_and_slice_invariance(name):
+    n_out, n_in, k_max = 33, 32 * 19, 17
+    w, raw, x = _case(name, n_out, n_in, k_max, seed=5)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)
+    for k in range(1, k_max + 1):
+        for t0 in sorted({0, (k_max - k) // 2, k_max - k}):
+            got = formats.matmul(raw, name, w.shape, x[t0:t0 + k], int8=True)
+            np.testing.assert_array_equal(got, full[t0:t0 + k], err_msg=f"k={k} t0={t0}")
+    rows = raw.reshape(n_out, -1)
+    for r0, r1 in ((0, 1), (1, 2), (3, 10), (5, 33), (32, 33)):
+        got = formats.matmul(rows[r0:r1], name, (r1 - r0, n_in), x[4:9], int8=True)
+        np.testing.assert_array_equal(got, full[4:9, r0:r1], err_msg=f"rows {r0}:{r1}")
+    one = formats.matmul(raw, name, w.shape, x[7], int8=True)  # a 1-D activation
+    np.testing.assert_array_equal(one, full[7])
+    # long rows (several runs of groups in the kernel): still the same bits for any k
+    w, raw, x = _case(name, 9, 32 * 147, 5, seed=6)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)
+    for k in (1, 2, 3):
+        np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[1:1 + k], int8=True),
+                                      full[1:1 + k])
+
+
+def _tiles(vnni, avx2, variant):
+    """Fresh (uncached) wrappers around the dot tiles, compiled with the VNNI / AVX2 integer
+    routes allowed or not (where the host has them; else both compile the generic route)."""
+    saved = _int8dot.USE_VNNI, _int8dot.USE_AVX2
+    _int8dot.USE_VNNI, _int8dot.USE_AVX2 = vnni, avx2
+    try:
+        dot22 = getattr(_int8dot, "DOT_2x2_" + variant)
+        dot21 = getattr(_int8dot, "DOT_2x1_" + variant)
+
+        @njit
+        def run(u, dw, m, x, xs, dx, dxs, ng, run_groups, out):
+            k = x.shape[0]
+            acc = np.empty((2 * k, 16), np.float32)
+            for r in range(0, u.shape[0], 2):
+                acc[:, :] = 0
+                for g0 in range(0, ng, run_groups):
+                    g1 = min(ng, g0 + run_groups)
+                    for t in range(0, k - 1, 2):
+                        a, b, c, d = dot22(u[r:r + 2], dw[r:r + 2], m[r:r + 2], x, xs, dx, dxs,
+                                           acc, g0, g1, 0, t)
+                        out[t, r], out[t + 1, r], out[t, r + 1], out[t + 1, r + 1] = a, b, c, d
+                    a, b = dot21(u[r:r + 2], dw[r:r + 2], m[r:r + 2], x, xs, dx, dxs, acc,
+                                 g0, g1, 0, k - 1)
+                    out[k - 1, r], out[k - 1, r + 1] = a, b
+
+        run.compile("(uint8[:, ::1], float32[:, ::1], float32[:, ::1], int8[:, ::1], int32[:, ::1],"
+                    " float32[:, ::1], float32[:, ::1], int64, int64, float32[:, ::1])")
+        return run
+    finally:
+        _int8dot.USE_VNNI, _int8dot.USE_AVX2 = saved
+
+
+@pytest.mark.parametrize("variant", ["Q8", "SYM", "AFF"])
+def test_integer_routes_agree_bit_for_bit(variant):
+    rng = np.random.default_rng(3)
+    ng, rows, toks = 3, 4, 5
+    nb = ng * _int8dot.GROUP_BLOCKS
+    offset = {"Q8": 128, "SYM": 16, "AFF": 0}[variant]
+    u = rng.integers(0, 256 if variant == "Q8" else 32, (rows, nb * 32)).astype(np.uint8)
+    x = rng.integers(-127, 128, (toks, nb * 32)).astype(np.int8)
+    # the group layout is a permutation: value 4c + e of block 16g + i at 512g + 64c + 4i + e
+    def natural(a):
+        n = a.shape[0]
+        a = a.reshape(n, ng, 8, 16, 4).transpose(0, 1, 3, 2, 4)
+        return a.reshape(n, nb, 32).astype(np.int64)
+
+    uu, xx = natural(u), natural(x)
+    xcorr = (offset * xx.sum(-1)).astype(np.int32)
+    dw = rng.random((rows, nb)).astype(np.float32)
+    m = rng.standard_normal((rows, nb)).astype(np.float32) * (variant == "AFF")
+    dx = rng.random((toks, nb)).astype(np.float32)
+    dxs = rng.standard_normal((toks, nb)).astype(np.float32)
+    outs = []
+    for vnni, avx2, run_groups in ((True, True, ng), (False, True, 1), (False, False, 2)):
+        out = np.zeros((toks, rows), np.float32)
+        _tiles(vnni, avx2, variant)(u, dw, m, x, xcorr, dx, dxs, ng, run_groups, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])  # routes and runs of groups: same bits
+    np.testing.assert_array_equal(outs[0], outs[2])
+    # and they are the exact integer dots
+    isum = np.einsum("rbj,tbj->trb", uu - offset, xx)
+    dw64, dx64, dxs64 = (a.astype(np.float64) for a in (dw, dx, dxs))
+    terms = isum * dw64[None] * dx64[:, None] + m[None] * dxs64[:, None]
+    assert (np.abs(outs[0] - terms.sum(-1)) <= 1e-5 * np.abs(terms).sum(-1)).all()
+
+
+@pytest.mark.parametrize("kind", range(4))
+def test_float_row_decoder_is_bit_identical(kind):
+    # the exact path's vector-IR decoder against the plain one (which dequantize uses)
+    from ds4tools.formats import legacy
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    rng = np.random.default_rng(kind)
+    nb = 23
+    raw = rng.integers(0, 256, nb * legacy.TYPE_SIZE[kind], dtype=np.uint8)
+    blocks = raw.reshape(nb, -1)
+    specials = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x7BFF, 0xFBFF, 0x3C00], np.uint16)
+    blocks[:7, 0:2] = specials.view(np.uint8).reshape(7, 2)   # zeros, subnormals, extremes
+    blocks[7:, 1] &= 0x7B                                      # the rest finite
+    a = np.zeros(nb * 32, np.float32)
+    b = np.ones(nb * 32, np.float32)
+    legacy._decode_row(kind, raw, FP16_TO_FP32, a, legacy.HALF)
+    legacy._decode_row_f32(kind, raw, FP16_TO_FP32, b)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

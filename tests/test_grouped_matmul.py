@@ -1,0 +1,107 @@
+"""The grouped (mixture-of-experts) matmul: bit-identical to a per-row loop of formats.matmul,
+whatever rows share the call, and it never reads an expert no row is routed to."""
+import numpy as np
+import pytest
+
+from ds4tools import formats
+from ds4tools.formats.activations import quantize_activations
+from ds4tools.formats.grouped import grouped_matmul
+
+N_EXPERT, N_OUT, N_IN = 6, 40, 512
+FORMATS = ["Q8_0", "Q4_K", "IQ4_NL", "IQ2_XXS", "F16"]
+
+
+def _experts(fmt, seed=0):
+    f = formats.get_format(fmt)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((N_EXPERT, N_OUT, N_IN)).astype(np.float32)
+    imatrix = np.ones(N_IN, np.float32) if f.requires_imatrix else None
+    raw = formats.quantize(w, fmt, imatrix=imatrix)
+    assert raw.shape == (N_EXPERT, N_OUT, f.row_bytes(N_IN))
+    return raw
+
+
+def _reference(raw, fmt, x, ids, int8):
+    k, n_used = ids.shape
+    ref = np.empty((k, n_used, N_OUT), np.float32)
+    for t in range(k):
+        for j in range(n_used):
+            ref[t, j] = formats.matmul(raw[ids[t, j]], fmt, (N_OUT, N_IN), x[t:t + 1], int8=int8)[0]
+    return ref
+
+
+def _ids(rng, k, n_used, pool):
+    ids = rng.choice(pool, size=(k, n_used))
+    if k > 1:
+        ids[0, :] = pool[0]  # the same expert in every slot of a row
+    return ids
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [1, 9])
+def test_grouped_equals_per_row_matmul(fmt, int8, k):
+    raw = _experts(fmt)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((k, N_IN)).astype(np.float32)
+    pool = np.array([4, 1, 5])  # experts 0, 2 and 3 unused
+    ids = _ids(rng, k, 3, pool)
+    got = grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids, int8=int8)
+    np.testing.assert_array_equal(got, _reference(raw, fmt, x, ids, int8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_result_does_not_depend_on_its_batch(fmt):
+    raw = _experts(fmt, 1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((9, N_IN)).astype(np.float32)
+    ids = rng.integers(0, N_EXPERT, (9, 2))
+    full = grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids)
+    for t in range(9):
+        alone = grouped_matmul(raw, fmt, N_OUT, N_IN, x[t:t + 1], ids[t:t + 1])
+        np.testing.assert_array_equal(alone[0], full[t])
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unused_experts_are_never_read(fmt, int8):
+    raw = _experts(fmt, 3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, N_IN)).astype(np.float32)
+    ids = _ids(rng, 9, 2, np.array([2, 5]))
+    want = grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids, int8=int8)
+    poisoned = raw.copy()
+    for e in (0, 1, 3, 4):
+        poisoned[e] = 0xFF  # all-ones fp16 / fp32 scales and values: NaN wherever decoded
+    assert not np.isfinite(formats.matmul(poisoned[0], fmt, (N_OUT, N_IN), x, int8=int8)).all()
+    got = grouped_matmul(poisoned, fmt, N_OUT, N_IN, x, ids, int8=int8)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_shared_activations_and_out_buffer():
+    fmt = "IQ4_NL"
+    raw = _experts(fmt, 5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, N_IN)).astype(np.float32)
+    ids = rng.integers(0, N_EXPERT, (4, 3))
+    act = quantize_activations(x, formats.get_format(fmt).act_type)
+    out = np.full((4, 3, N_OUT), np.nan, np.float32)
+    res = grouped_matmul(raw.reshape(-1), fmt, N_OUT, N_IN, x, ids, out=out, act=act)
+    assert res is out
+    np.testing.assert_array_equal(out, grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids))
+
+
+def test_bad_input_is_a_value_error():
+    raw = _experts("Q8_0")
+    x = np.zeros((2, N_IN), np.float32)
+    with pytest.raises(ValueError, match="expert_ids"):
+        grouped_matmul(raw, "Q8_0", N_OUT, N_IN, x, np.array([[0], [N_EXPERT]]))
+    with pytest.raises(ValueError, match="expert_ids"):
+        grouped_matmul(raw, "Q8_0", N_OUT, N_IN, x, np.array([[0.0], [1.0]]))
+    with pytest.raises(ValueError, match="x must"):
+        grouped_matmul(raw, "Q8_0", N_OUT, N_IN, x[:, :32], np.array([[0], [1]]))
+    with pytest.raises(ValueError, match="raw3d"):
+        grouped_matmul(raw[:, :, :-1], "Q8_0", N_OUT, N_IN, x, np.array([[0], [1]]))
+    with pytest.raises(ValueError, match="out"):
+        grouped_matmul(raw, "Q8_0", N_OUT, N_IN, x, np.array([[0], [1]]), out=np.empty((2, 2, N_OUT), np.float32))

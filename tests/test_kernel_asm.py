@@ -1,0 +1,21 @@
+"""The int8 matmuls' hot loops compile to packed integer SIMD (pmaddwd / pmaddubsw, or VNNI's
+vpdpwssd / vpdpbusd), never to scalar multiplies: the machine code numba emits for this host
+is read back and searched (ds4tools.formats.kernel_asm)."""
+import pytest
+
+from ds4tools import formats
+from ds4tools.formats.kernel_asm import PACKED_DOT, instruction_counts, kernel_assembly
+
+INT8_FORMATS = [name for name, f in formats.FORMATS.items() if f.has_int8_matmul]
+
+
+def test_every_quantized_format_has_an_int8_path():
+    floats = {"F32", "F16", "BF16"}
+    assert set(INT8_FORMATS) == set(formats.FORMATS) - floats
+
+
+@pytest.mark.parametrize("name", INT8_FORMATS)
+def test_int8_hot_loop_is_packed_simd(name):
+    counts = instruction_counts(kernel_assembly(formats.FORMATS[name]))
+    packed = {op: n for op, n in counts.items() if op in PACKED_DOT}
+    assert packed, f"{name}: no packed integer dot instruction in its kernel ({dict(counts)})"
