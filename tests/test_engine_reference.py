@@ -11,6 +11,7 @@ import pytest
 
 from ds4tools import formats
 from ds4tools.engine import Engine
+from ds4tools.engine.weights import int8_for
 from tests.fixtures import hf_models
 from tests.reference_model import RefConfig, reference_forward, write_random_model
 
@@ -157,15 +158,19 @@ def test_converted_checkpoint_matches_reference_on_hf_weights(which, request, tm
 
 
 def test_int8_path_policy(models):
-    # every quantized format takes the int8 path by default; float formats and --exact never do
+    # by default every quantized matrix takes the int8 path where its rows are long enough for
+    # the integer kernel to pay; "all" forces it wherever a format has one; float formats,
+    # "none" and --exact never take it
     for fmt in ("IQ2_XXS", "IQ4_NL", "Q8_0", "Q4_K", "F16"):
         path = models / f"policy-{fmt}.gguf"
         write_random_model(path, QWEN3, seed=8, default_type=fmt, types={"blk.0.attn_q.weight": "Q8_0"}
                            if fmt == "F16" else None)
-        has = formats.FORMATS[fmt].has_int8_matmul
-        assert has == (fmt != "F16")
-        by_format = {lin.fmt.name: lin.int8 for lin in Engine(path).weights.linears()}
-        assert by_format == ({"F16": False, "Q8_0": True} if fmt == "F16" else {fmt: True})
-        assert {lin.fmt.name: lin.int8 for lin in Engine(path, int8="all").weights.linears()} == by_format
+        assert formats.FORMATS[fmt].has_int8_matmul == (fmt != "F16")
+        for lin in Engine(path).weights.linears():
+            assert lin.int8 == (lin.fmt.has_int8_matmul and lin.n_in >= lin.fmt.int8_min_row), lin
+        assert all(lin.int8 == lin.fmt.has_int8_matmul for lin in Engine(path, int8="all").weights.linears())
         assert {lin.int8 for lin in Engine(path, int8="none").weights.linears()} == {False}
         assert {lin.int8 for lin in Engine(path, int8="all", exact=True).weights.linears()} == {False}
+    q8 = formats.FORMATS["Q8_0"]
+    assert int8_for(q8, "default", 4096) and not int8_for(q8, "default", q8.int8_min_row - 32)
+    assert int8_for(q8, "all", 64) and not int8_for(q8, "none", 4096)

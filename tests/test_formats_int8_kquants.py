@@ -132,3 +132,90 @@ def test_f32_matmul_batch_invariance(name):
     for k in (1, 2, 3, 4, 5, 8, 9, 16, 17):
         for t0 in sorted({0, 17 - k}):
             np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t0:t0 + k]), full[t0:t0 + k])
+
+
+def test_int8_matmul_long_rows_bit_identical_for_any_k():
+    """Rows long enough for several runs of super-blocks at larger k (the run length depends on
+    k): a token's result is still the same bits whatever k."""
+    n_in = 256 * 30
+    rng = np.random.default_rng(11)
+    for name in KQUANTS:
+        w = rng.standard_normal((9, n_in)).astype(np.float32)
+        raw = formats.quantize(w, name)
+        x = rng.standard_normal((16, n_in)).astype(np.float32)
+        full = formats.matmul(raw, name, w.shape, x, int8=True)
+        for k in (1, 2, 3, 7):
+            np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[5:5 + k], int8=True),
+                                          full[5:5 + k], err_msg=f"{name} k={k}")
+
+
+def _k_runner(name, vnni, avx2):
+    """A fresh (uncached) serial copy of the K-quant int8 kernel, compiled with the VNNI / AVX2
+    integer routes allowed or not (where the host has them; else the generic route)."""
+    from numba import njit
+
+    from ds4tools.formats import _int8dot
+    kind = KQUANTS.index(name)
+    saved = _int8dot.USE_VNNI, _int8dot.USE_AVX2
+    _int8dot.USE_VNNI, _int8dot.USE_AVX2 = vnni, avx2
+    try:
+        unpack = getattr(_int8dot, "UNPACK_K_" + name)
+        aff = _int8dot.K_AFFINE[kind]
+        d42 = _int8dot.DOT_K_4x2_AFF if aff else _int8dot.DOT_K_4x2_SYM
+        d41 = _int8dot.DOT_K_4x1_AFF if aff else _int8dot.DOT_K_4x1_SYM
+        ksum = _int8dot.KSUM
+
+        @njit
+        def run(raw, lut, xq, dx, dxs, run_groups, out):
+            n_out = raw.shape[0]
+            k, n_in = xq.shape
+            nsb = n_in // 256
+            w = np.empty((4, n_in), np.uint8)
+            dw = np.empty((4, n_in // 16), np.float32)
+            m = np.empty((4, n_in // 16), np.float32)
+            corr = np.empty((4, n_in // 16), np.int32)
+            acc = np.empty((4 * k, 16), np.float32)
+            for r0 in range(0, n_out, 4):
+                for i in range(4):
+                    unpack(raw[min(r0 + i, n_out - 1)], lut, w[i], dw[i], m[i], corr[i], nsb)
+                acc[:, :] = 0
+                for g0 in range(0, nsb, run_groups):
+                    g1 = min(nsb, g0 + run_groups)
+                    for t in range(0, k - 1, 2):
+                        d42(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
+                    if k % 2:
+                        d41(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, k - 1)
+                for i in range(min(4, n_out - r0)):
+                    for t in range(k):
+                        out[t, r0 + i] = ksum(acc, t * 4 + i)
+
+        run.compile("(uint8[:, ::1], float32[::1], uint8[:, ::1], float32[:, ::1], float32[:, ::1],"
+                    " int64, float32[:, ::1])")
+        return run
+    finally:
+        _int8dot.USE_VNNI, _int8dot.USE_AVX2 = saved
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_int8_integer_routes_bit_identical(name):
+    """VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd) and the generic IR give the same bits as
+    the format's kernel, whatever the run length."""
+    from ds4tools.formats import kquants
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    n_in = 256 * 5
+    w, raw, x = _case(name, n_in, 21)
+    x = x[:7]
+    ref = formats.matmul(raw, name, w.shape, x, int8=True)
+    kind = KQUANTS.index(name)
+    act = quantize_activations(x, "Q8_K")
+    k = x.shape[0]
+    xq = np.empty((k, n_in), np.uint8)
+    dx = np.empty((k, n_in // 256), np.float32)
+    dxs = np.empty((k, n_in // 16 if kquants.K_AFFINE[kind] else 1), np.float32)
+    kquants._prep_act_k(act.q, act.d, act.sums, 0 if kquants.K_AFFINE[kind] else 128, xq, dx, dxs)
+    for vnni, avx2 in ((True, True), (False, True), (False, False)):
+        run = _k_runner(name, vnni, avx2)
+        for run_groups in (1, 2, 5):
+            out = np.empty((k, N_OUT), np.float32)
+            run(raw, FP16_TO_FP32, xq, dx, dxs, run_groups, out)
+            np.testing.assert_array_equal(out, ref, err_msg=f"vnni={vnni} avx2={avx2} run={run_groups}")

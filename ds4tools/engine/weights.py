@@ -19,14 +19,17 @@ from .hparams import HParams
 INT8_MODES = ("default", "all", "none")
 
 
-def int8_for(fmt, mode: str) -> bool:
-    """Whether a matrix of format ``fmt`` takes the int8-activation path under ``mode``:
-    "default" and "all" (every format that has one: all but the float formats) or "none"
-    (float32 everywhere: ``--exact``). "default" and "all" are the same since every quantized
-    format got its integer kernel; both names stay for scripts that pass them."""
+def int8_for(fmt, mode: str, n_in: int | None = None) -> bool:
+    """Whether a matrix of format ``fmt`` with rows of ``n_in`` takes the int8-activation path:
+    "default" where the format has one and the rows are long enough for it to pay
+    (``fmt.int8_min_row``: short rows run faster in float32), "all" wherever the format has one,
+    "none" nowhere (float32 everywhere: ``--exact``). The choice is per matrix and fixed at
+    load time, so a token's result never depends on its batch."""
     if mode not in INT8_MODES:
         raise ValueError(f"unknown int8 mode {mode!r} (use {', '.join(INT8_MODES)})")
-    return fmt.has_int8_matmul and mode != "none"
+    if not fmt.has_int8_matmul or mode == "none":
+        return False
+    return mode == "all" or n_in is None or n_in >= fmt.int8_min_row
 
 
 class SharedInput:
@@ -152,7 +155,7 @@ class ModelWeights:
         """Choose the matmul path of every matrix (see int8_for): "none" is the exact float32
         path everywhere."""
         for lin in self.linears():
-            lin.int8 = int8_for(lin.fmt, mode)
+            lin.int8 = int8_for(lin.fmt, mode, lin.n_in)
 
 
 # --- loading from GGUF tensors ---------------------------------------------------------------
@@ -193,7 +196,7 @@ def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: str) -> Linea
         raise WeightsError(f"tensor {name}: row length {n_in} is not a multiple of "
                            f"{fmt.name}'s block size {fmt.block_size}")
     # np.asarray: a plain ndarray view of the memory map (numba dispatches faster on it)
-    return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in), int8=int8_for(fmt, int8))
+    return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in), int8=int8_for(fmt, int8, n_in))
 
 
 def load_layer(tensors: dict, prefix: str, hp: HParams, int8: str) -> LayerWeights:
@@ -233,7 +236,7 @@ def load_weights(tensors: dict, hp: HParams, *, int8: str = "default") -> ModelW
     tied = "output.weight" not in tensors
     if tied:  # the same bytes, as a separate Linear so its matmul path can differ
         output = Linear(token_embd.name, token_embd.raw, token_embd.fmt, token_embd.shape,
-                        int8=int8_for(token_embd.fmt, int8))
+                        int8=int8_for(token_embd.fmt, int8, H))
     else:
         output = _linear(tensors, "output.weight", hp.n_vocab, H, int8)
     rope_freqs = _vector(tensors, "rope_freqs.weight", hp.n_rot // 2, required=False)

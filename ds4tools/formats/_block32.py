@@ -13,8 +13,7 @@ LLVM vector IR on <32 x float>, which LLVM lowers to whatever SIMD the host has:
   add, no fused multiply-add), truncated to int32, clamped to 15 / 31 (Q5_1: no clamp, as
   ggml's (uint8_t) cast), low 8 bits kept; the 16 nibble-packed bytes are stored, the Q5 high
   bits returned as the block's 32-bit qh.
-* ``store_le``: an integer's bytes at any byte offset of a uint8 array (GGUF is little endian,
-  as every host numba targets here), ``f32_from_bits``: C's memcpy from int32 to float.
+(The bit casts the quantizers also use, ``store_le`` and ``f32_from_bits``, live in ``_llvm_ir``.)
 
 Nothing is bounds-checked: callers pass whole blocks. Arrays must be 1-D and C-contiguous.
 """
@@ -22,25 +21,8 @@ import llvmlite.ir as ir
 from numba import types
 from numba.extending import intrinsic
 
-I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-
-
-def _vec(t, n):
-    return ir.VectorType(t, n)
-
-
-def _idx(*vals):
-    return ir.Constant(_vec(I32, len(vals)), list(vals))
-
-
-def _splat(builder, scalar, n):
-    vt = _vec(scalar.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), scalar, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _idx(*([0] * n)))
-
-
-def _pick(builder, v, lanes):
-    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _idx(*lanes))
+from ._llvm_ir import F32, I8, I32, c_array as _c_array, data_ptr, mask as _idx
+from ._llvm_ir import pick as _pick, splat as _splat, vec as _vec
 
 
 def _smin(builder, a, b):
@@ -53,37 +35,8 @@ def _fold(builder, v, n):
 
 
 def _ptr(context, builder, aty, ary, off, t):
-    data = context.make_array(aty)(context, builder, ary).data
+    data = data_ptr(context, builder, aty, ary)
     return builder.bitcast(builder.gep(data, [off]), t.as_pointer())
-
-
-def _c_array(t, dtype):
-    return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 1 and t.layout == "C"
-
-
-@intrinsic
-def f32_from_bits(typingctx, bits):
-    """The float32 whose bit pattern is the int32 ``bits``."""
-    if bits != types.int32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], F32)
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def store_le(typingctx, arr, off, val):
-    """Store integer ``val`` (its own width) at byte offset ``off`` of a uint8 array."""
-    if not (_c_array(arr, types.uint8) and isinstance(off, types.Integer)
-            and isinstance(val, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, o, v = args
-        builder.store(v, _ptr(context, builder, sig.args[0], a, o, v.type), align=1)
-        return context.get_dummy_value()
-    return types.none(arr, off, val), codegen
 
 
 @intrinsic
@@ -102,7 +55,7 @@ def block_key_extrema(typingctx, x, off):
         for n in (32, 16):  # 32 -> 8 lanes, element-wise
             k = _fold(builder, k, n)
             nk = _fold(builder, nk, n)
-        c = builder.shuffle_vector(k, nk, _idx(*range(16)))  # then both in one vector
+        c = builder.shuffle_vector(k, nk, _idx(range(16)))  # then both in one vector
         for lo, hi in (((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)),
                        ((0, 1, 4, 5), (2, 3, 6, 7)), ((0, 2), (1, 3))):
             c = _smin(builder, _pick(builder, c, lo), _pick(builder, c, hi))

@@ -30,9 +30,18 @@ thread split.
 Also here: ``DECODE_F32_*``, one row of Q4_0..Q5_1 blocks to float32 as vector IR, for the
 exact float32 matmuls (bit-identical to legacy._decode_row).
 """
+import numpy as np
+from gguf import quants as _gguf_quants
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from ._llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
+                       as_i64 as _as_i64, const as _const, host_features,
+                       intrinsic_fn as _intrinsic_fn, load as _load, loop as _loop, mask as _mask,
+                       pick as _pick,
+                       lookup16, row_ptr as _row_ptr, splat_const as _splat,
+                       vconst as _vconst)
 
 #: blocks per group: lanes of the int and float accumulators; rows are padded with zero
 #: blocks to a multiple of GROUP_BLOCKS (zero scales and offsets: they add exact zeros)
@@ -42,102 +51,46 @@ GROUP_BYTES = GROUP_BLOCKS * 32
 #: chunks per group (4 values of each block per chunk)
 GROUP_CHUNKS = 8
 
-#: per kind (the kernels' numbering: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): block bytes, offset of the
-#: 16 nibble bytes (or Q8_0's 32 int8), offset of the 32 high bits (-1: none), the offset
-#: added to every quant to make it unsigned, whether an fp16 offset m follows d
+#: per kind (the kernels' numbering: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): block bytes, offset
+#: of the 16 nibble bytes (or Q8_0's 32 int8), offset of the 32 high bits (-1: none), the
+#: offset added to every quant to make it unsigned, whether an fp16 offset m follows d.
+#: IQ4_NL's nibbles index IQ4_NL_LEVELS (signed levels; + 128 unsigned, as Q8_0's bytes).
 UNPACK_LAYOUTS = (
     (18, 2, -1, 8, False),
     (20, 4, -1, 0, True),
     (22, 6, 2, 16, False),
     (24, 8, 4, 0, True),
     (34, 2, -1, 128, False),
+    (18, 2, -1, 128, False),
 )
-#: value offset per kind (see UNPACK_LAYOUTS), for the dots
-WEIGHT_OFFSET = tuple(lay[3] for lay in UNPACK_LAYOUTS)
+#: kind 6, IQ2_XXS (not in UNPACK_LAYOUTS: 256-value super-blocks of 66 bytes, two per group)
+KIND_IQ2_XXS = 6
+#: value offset per kind (see UNPACK_LAYOUTS; IQ2_XXS's signed levels + 128), for the dots
+WEIGHT_OFFSET = tuple(lay[3] for lay in UNPACK_LAYOUTS) + (128,)
+#: raw bytes per group (16 blocks of 32 values) per kind
+GROUP_RAW_BYTES = tuple(GROUP_BLOCKS * lay[0] for lay in UNPACK_LAYOUTS) + (132,)
+#: the formats' defining tables (from the gguf package, as iq4_nl.py and iq2_xxs.py take them):
+#: IQ4_NL's 16 levels, and per IQ2_XXS grid point its 8 magnitudes (8, 25 or 43) as bytes of
+#: a little-endian uint64
+IQ4_NL_LEVELS = tuple(int(v) for v in _gguf_quants.IQ4_NL.kvalues)
+IQ2_XXS_GRID = tuple(
+    sum(int(_gguf_quants.IQ2_XXS.grid_map[(c >> (2 * j)) & 3]) << (8 * j) for j in range(8))
+    for c in np.frombuffer(bytes.fromhex(_gguf_quants.IQ2_XXS.grid_hex.decode("ascii")), "<u2"))
 
 #: set to False to leave out the VNNI / AVX2 integer routes (tests compare the routes)
 USE_VNNI = True
 USE_AVX2 = True
 
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F32 = ir.FloatType()
-
-
-def _const(v, t=_I64):
-    return ir.Constant(t, v)
-
-
-def _vconst(vals, t):
-    vals = list(vals)
-    return ir.Constant(ir.VectorType(t, len(vals)), [ir.Constant(t, v) for v in vals])
-
-
-def _mask(ix):
-    return _vconst(ix, _I32)
-
-
-def _splat(v, t):
-    return ir.Constant(ir.VectorType(t, 16), [ir.Constant(t, v)] * 16)
-
-
-def _load(builder, p, off, ty, align=1):
-    return builder.load(builder.bitcast(builder.gep(p, [off]), ty.as_pointer()), align=align)
-
-
-def _as_i64(builder, v):
-    return builder.sext(v, _I64) if v.type.width < 64 else v
-
-
 def _route(context, small):
     """How the chunk dots are computed for the CPU numba compiles for: "vnni" (AVX-512 VNNI
     vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd; only for small weights, u <= 127, where the
     saturating pair sums of vpmaddubsw cannot saturate) or "generic" (portable IR)."""
-    try:
-        features = context.codegen()._get_host_cpu_features().split(",")
-    except Exception:  # numba internals moved: take the portable route
-        return "generic"
-    if USE_VNNI and "+avx512vnni" in features:
+    features = host_features(context)
+    if USE_VNNI and "avx512vnni" in features:
         return "vnni"
-    if USE_AVX2 and small and "+avx2" in features:
+    if USE_AVX2 and small and "avx2" in features:
         return "avx2"
     return "generic"
-
-
-def _intrinsic_fn(builder, name, ret, args):
-    mod = builder.module
-    fn = mod.globals.get(name)
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(ret, args), name=name)
-    return fn
-
-
-def _loop(builder, n, phis, body_fn, name, start=None):
-    """for g in range(start, n): phis = body_fn(g, phis). phis: [(type, initial value)];
-    returns the final values."""
-    fn = builder.function
-    pre = builder.block
-    hdr = fn.append_basic_block(name + ".hdr")
-    body = fn.append_basic_block(name + ".body")
-    done = fn.append_basic_block(name + ".done")
-    builder.branch(hdr)
-    builder.position_at_end(hdr)
-    g = builder.phi(_I64)
-    g.add_incoming(_const(0) if start is None else start, pre)
-    vals = []
-    for ty, init in phis:
-        p = builder.phi(ty)
-        p.add_incoming(init, pre)
-        vals.append(p)
-    builder.cbranch(builder.icmp_signed("<", g, n), body, done)
-    builder.position_at_end(body)
-    new = body_fn(g, vals)
-    end = builder.block
-    g.add_incoming(builder.add(g, _const(1)), end)
-    for p, v in zip(vals, new):
-        p.add_incoming(v, end)
-    builder.branch(hdr)
-    builder.position_at_end(done)
-    return vals
 
 
 def _dot_chunk(builder, acc, u, x, route):
@@ -226,13 +179,6 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
     return res
 
 
-def _row_ptr(context, builder, aryty, val, idx):
-    ary = context.make_array(aryty)(context, builder, val)
-    stride = builder.extract_value(ary.strides, 0)
-    p8 = builder.gep(builder.bitcast(ary.data, _I8.as_pointer()), [builder.mul(idx, stride)])
-    return builder.bitcast(p8, ary.data.type)
-
-
 def _make_dot(n_rows, n_toks, small, affine):
     @intrinsic
     def dot(typingctx, u, dw, m, x, xcorr, dx, dxs, acc, g0, g1, row, tok):
@@ -308,6 +254,8 @@ def _transpose_words(builder, rows):
 
 def _make_unpack(kind):
     ts, qoff, qhoff, offset, has_m = UNPACK_LAYOUTS[kind]
+    table = [v + offset for v in IQ4_NL_LEVELS] if kind == 5 else None
+    wide = ts - qoff == 32  # Q8_0: 32 bytes per block, else 16 nibble bytes
 
     @intrinsic
     def unpack(typingctx, rr, lut, u, dw, m, ngroups):
@@ -335,11 +283,11 @@ def _make_unpack(kind):
                     if has_m:
                         builder.store(fp16(builder.add(offs[i], _const(2))), builder.gep(mp, [bi]))
                 chunks = [None] * GROUP_CHUNKS
-                for h in range(2 if offset == 128 else 1):  # Q8_0: 8 words per block
+                for h in range(2 if wide else 1):  # Q8_0: 8 words per block
                     rows = [_load(builder, rp, builder.add(offs[i], _const(qoff + 16 * h)), v4i32)
                             for i in range(GROUP_BLOCKS)]
                     for c, t in enumerate(_transpose_words(builder, rows)):
-                        if offset == 128:  # signed byte -> byte + 128
+                        if wide:  # signed byte -> byte + 128
                             chunks[4 * h + c] = builder.xor(t, _splat(0x80808080, _I32))
                         else:  # nibbles: word c holds values 4c.. (low) and 16 + 4c.. (high)
                             chunks[c] = builder.and_(t, _splat(0x0F0F0F0F, _I32))
@@ -357,6 +305,11 @@ def _make_unpack(kind):
                         spread = builder.and_(builder.mul(nib, _splat(0x00204081, _I32)),
                                               _splat(0x01010101, _I32))
                         chunks[c] = builder.or_(chunks[c], builder.shl(spread, _splat(4, _I32)))
+                if table is not None:  # IQ4_NL: the nibbles index its levels (+ 128)
+                    feats = host_features(context)
+                    for c in range(GROUP_CHUNKS):
+                        idx = builder.bitcast(chunks[c], ir.VectorType(_I8, 64))
+                        chunks[c] = builder.bitcast(lookup16(builder, feats, table, idx), v16i32)
                 base = builder.mul(g, _const(GROUP_BYTES))
                 for c in range(GROUP_CHUNKS):
                     q = builder.bitcast(builder.gep(up, [builder.add(base, _const(64 * c))]),
@@ -373,8 +326,103 @@ def _make_unpack(kind):
 
 
 #: one per kind of UNPACK_LAYOUTS: (rr, lut, u, dw, m, ngroups)
-UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1, UNPACK_Q8_0 = (
-    _make_unpack(k) for k in range(5))
+UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1, UNPACK_Q8_0, UNPACK_IQ4_NL = (
+    _make_unpack(k) for k in range(6))
+
+
+@intrinsic
+def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
+    """Groups 0..ngroups-1 of one raw IQ2_XXS row rr (uint8; a group is two super-blocks, 132
+    bytes) -> u (uint8) in the group layout: the signed levels grid * sign + 128, and
+    dw[b] = d * (2s + 1) * 0.125 per 32-block (exact: ggml's d * (0.5 + s) * 0.25; its final
+    1/8 folded in). m is not touched. No bounds checks.
+
+    Per group: the 16 blocks' grid and sign words by two vector loads and two shuffles; per
+    grid slot l the 16 blocks' 8-byte grid points by one gather (IQ2_XXS_GRID is a constant
+    table in the module), whose low and high words are chunks 2l and 2l + 1; the signs computed
+    (ggml's ksigns: 7 stored bits and their parity as the eighth), not looked up."""
+    sig = types.void(rr, lut, u, dw, m, ngroups)
+
+    def codegen(context, builder, sig, args):
+        rp, lutp, up, dwp = [context.make_array(sig.args[i])(context, builder, args[i]).data
+                             for i in range(4)]
+        v16i32, v16i64 = ir.VectorType(_I32, 16), ir.VectorType(_I64, 16)
+        v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
+        grid = builder.module.globals.get("ds4_iq2_xxs_grid")
+        if grid is None:
+            ty = ir.ArrayType(_I64, 256)
+            grid = ir.GlobalVariable(builder.module, ty, "ds4_iq2_xxs_grid")
+            grid.linkage = "internal"
+            grid.global_constant = True
+            grid.initializer = ir.Constant(ty, [((v + 2**63) % 2**64) - 2**63 for v in IQ2_XXS_GRID])
+            grid.align = 64
+        base = builder.ptrtoint(grid, _I64)
+        base = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i64, None), base,
+                                                             ir.Constant(_I32, 0)),
+                                      ir.Constant(v16i64, None), _mask([0] * 16))
+        ptrs_t = ir.VectorType(_I64.as_pointer(), 16)
+        gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
+                               [ptrs_t, _I32, ir.VectorType(ir.IntType(1), 16), v16i64])
+        all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+        def fp16(off):
+            bits = builder.zext(_load(builder, rp, off, _I16), _I64)
+            return builder.load(builder.gep(lutp, [bits]))
+
+        def body(g, _):
+            go = builder.mul(g, _const(132))
+            words = [_load(builder, rp, builder.add(go, _const(66 * s + 2)), v16i32)
+                     for s in range(2)]
+            q0 = builder.shuffle_vector(words[0], words[1], _mask(range(0, 32, 2)))  # grid bytes
+            q1 = builder.shuffle_vector(words[0], words[1], _mask(range(1, 32, 2)))  # signs, scale
+            # scales: d * (2s + 1) * 0.125, d per super-block (lanes 0..7, 8..15)
+            ds = [fp16(builder.add(go, _const(66 * s))) for s in range(2)]
+            dv = ir.Constant(v16f, None)
+            for i in range(16):
+                dv = builder.insert_element(dv, ds[i // 8], ir.Constant(_I32, i))
+            ls = builder.lshr(q1, _splat(28, _I32))
+            ls = builder.add(builder.shl(ls, _splat(1, _I32)), _splat(1, _I32))
+            scale = builder.fmul(builder.fmul(dv, builder.sitofp(ls, v16f)),
+                                 ir.Constant(v16f, [0.125] * 16))
+            gb = builder.mul(g, _const(GROUP_BLOCKS))
+            builder.store(scale, builder.bitcast(builder.gep(dwp, [gb]), v16f.as_pointer()),
+                          align=4)
+            # sign word per block: byte l = the 7 bits (q1 >> 7l) & 127 and their parity as bit 7
+            b7 = builder.and_(q1, _splat(0x7F, _I32))
+            for l in range(1, 4):
+                b7 = builder.or_(b7, builder.and_(builder.shl(q1, _splat(l, _I32)),
+                                                  _splat(0x7F << (8 * l), _I32)))
+            p = builder.xor(b7, builder.lshr(b7, _splat(4, _I32)))
+            p = builder.xor(p, builder.lshr(p, _splat(2, _I32)))
+            p = builder.xor(p, builder.lshr(p, _splat(1, _I32)))
+            sw = builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
+                                                             _splat(7, _I32))), v64i8)
+            ub = builder.mul(g, _const(GROUP_BYTES))
+            for l in range(4):
+                ix = builder.zext(builder.and_(builder.lshr(q0, _splat(8 * l, _I32)),
+                                               _splat(255, _I32)), v16i64)
+                ptrs = builder.inttoptr(builder.add(base, builder.shl(ix, _splat(3, _I64))), ptrs_t)
+                gv = builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
+                                           ir.Constant(v16i64, None)])
+                gw = builder.bitcast(gv, ir.VectorType(_I32, 32))
+                for h in range(2):  # low words: chunk 2l, high words: chunk 2l + 1
+                    c = 2 * l + h
+                    words = _pick(builder, gw, range(h, 32, 2))  # vpermt2d (or vpmovqd)
+                    mag = builder.bitcast(words, v64i8)
+                    # byte 4i + e: bit 4c + e of block i's sign word (in its byte l)
+                    sb = builder.shuffle_vector(sw, sw, _mask([4 * (j // 4) + l for j in range(64)]))
+                    bit = _vconst([((1 << (4 * h + j % 4)) ^ 128) - 128 for j in range(64)], _I8)
+                    neg = builder.icmp_unsigned("!=", builder.and_(sb, bit), _splat(0, _I8, 64))
+                    val = builder.select(neg, builder.sub(_splat(-128, _I8, 64), mag),
+                                         builder.add(mag, _splat(-128, _I8, 64)))
+                    q = builder.bitcast(builder.gep(up, [builder.add(ub, _const(64 * c))]),
+                                        v64i8.as_pointer())
+                    builder.store(val, q, align=1)
+            return []
+
+        _loop(builder, _as_i64(builder, args[5]), [], body, "unpack")
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # --- float decoding of one row (the exact float32 matmuls of Q4_0, Q4_1, Q5_0, Q5_1) -----------
@@ -439,3 +487,391 @@ def _make_decode_f32(kind):
 #: float decoders of Q4_0, Q4_1, Q5_0, Q5_1: (rr, lut, y, nblocks)
 DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
     _make_decode_f32(k) for k in range(4))
+
+
+# === K-quants (Q2_K..Q6_K): a 256-value super-block as one group of 16 sub-blocks of 16 =========
+# (appended for the K-quants' int8 path, kquants.py; nothing above depends on it.)
+# A super-block is one group of KGROUP_BYTES: chunk c (c = 0..3) holds values 4c..4c+3 of each
+# of its 16 sub-blocks of 16 values, sub-block i at bytes 64c + 4i .. 64c + 4i + 3 (Q4_K and
+# Q5_K's sub-blocks of 32 are two lanes with the same scale). UNPACK_K_* build that layout
+# straight from the packed bits into a row's scratch (FUSED_K1_* / FUSED_K2_* the same in
+# registers, dotted at once with 1 or 2 tokens), a chunk being one word permutation of the raw
+# quants (vpermd / vpermt2d), a per-lane shift or rotate (vpsrlvd / vprolvd) and a mask, plus
+# per lane the float scale dw = d * (the sub-block's scale) and:
+# * affine formats (Q2_K, Q4_K, Q5_K): unsigned quants u = q (<= 31) and the offset
+#   m = -dmin * (the sub-block's min); the activations stay signed int8 and bring, per
+#   sub-block, dxs = dx * bsum (Q8_K's sums of 16);
+# * symmetric ones (Q3_K, Q6_K): signed quants w = q (-4..3, -32..31) and corr = 128 * sum(w)
+#   per sub-block; the activations come as unsigned bytes x + 128, so that
+#   sum (x + 128) w - corr = sum x w (no per-token correction to load).
+# The tiles (DOT_K_RxT_*: R weight rows x T tokens, all loads shared) take per chunk one
+# unsigned x signed byte dot adding groups of 4 into 16 int32 lanes (_dot_chunk: vpdpbusd with
+# VNNI, vpmaddubsw + vpmaddwd on AVX2 - no saturation: |pair| <= 2 * 255 * 32 - generic IR
+# elsewhere), lane i = sub-block i's exact sum, then per lane and group:
+#     acc = fma(float(isum [- corr]), dw * dx, acc)   [affine: acc = fma(m, dxs, acc)]
+# (llvm.fma: one rounding on every target; dx is the activations' scale of the super-block),
+# and KSUM (the fused kernels likewise) adds an accumulator's 16 lanes in a fixed tree at the
+# end. The same float sequence runs per (row, token) whatever the tile or fused kernel, the
+# integer route, k or the thread split.
+
+from ._llvm_ir import splat, tree_sum_f32  # noqa: E402
+
+#: sub-blocks (lanes) per K-quant group (= one super-block), its bytes and chunks
+KGROUP_LANES = 16
+KGROUP_BYTES = 256
+KGROUP_CHUNKS = 4
+#: per K-quant kind (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): the offset of the stored quants (the
+#: symmetric formats' unpacked quants are q = stored - offset) and whether it has mins
+K_WEIGHT_OFFSET = (0, 4, 0, 0, 32)
+K_AFFINE = (True, False, True, True, False)
+
+
+def _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine):
+    """Groups g0..g1-1 of the dots of the weight rows ``rows`` ((w, dw, m, corr) pointers) with
+    the tokens ``toks`` ((x, dx, dxs) pointers), continuing the 16-lane float accumulators at
+    acc_ptrs[r][t] and storing them back."""
+    v64i8, v16i32, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+    route = _route(context, True)
+    fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
+    pairs = [(r, t) for r in range(len(rows)) for t in range(len(toks))]
+    acc0 = [builder.load(acc_ptrs[r][t], align=4) for r, t in pairs]
+
+    def body(g, accs):
+        base = builder.mul(g, _const(KGROUP_BYTES))
+        isum = {rt: ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16) for rt in pairs}
+        for c in range(KGROUP_CHUNKS):
+            off = builder.add(base, _const(64 * c))
+            wv = [_load(builder, r[0], off, v64i8) for r in rows]
+            xv = [_load(builder, t[0], off, v64i8) for t in toks]
+            for r, t in pairs:  # the unsigned operand first
+                a, b = (wv[r], xv[t]) if affine else (xv[t], wv[r])
+                isum[r, t] = _dot_chunk(builder, isum[r, t], a, b, route)
+        gb = builder.mul(g, _const(KGROUP_LANES))
+        dws = [_load(builder, r[1], gb, v16f, 4) for r in rows]
+        dxs = [splat(builder, builder.load(builder.gep(t[1], [g])), 16) for t in toks]
+        if affine:
+            ms = [_load(builder, r[2], gb, v16f, 4) for r in rows]
+            dxss = [_load(builder, t[2], gb, v16f, 4) for t in toks]
+        else:
+            corr = [_load(builder, r[3], gb, v16i32, 4) for r in rows]
+        out = []
+        for (r, t), acc in zip(pairs, accs):
+            s = isum[r, t] if affine else builder.sub(isum[r, t], corr[r])
+            acc = builder.call(fma, [builder.sitofp(s, v16f), builder.fmul(dws[r], dxs[t]), acc])
+            if affine:
+                acc = builder.call(fma, [ms[r], dxss[t], acc])
+            out.append(acc)
+        return out
+
+    accs = _loop(builder, g1, [(v16f, a) for a in acc0], body, "kdot", start=g0)
+    for (r, t), acc in zip(pairs, accs):
+        builder.store(acc, acc_ptrs[r][t], align=4)
+
+
+def _make_dot_k(n_rows, n_toks, affine):
+    @intrinsic
+    def dot(typingctx, w, dw, m, corr, x, dx, dxs, acc, g0, g1, tok):
+        for a, dt in ((w, types.uint8), (x, types.uint8), (dw, types.float32), (m, types.float32),
+                      (corr, types.int32), (dx, types.float32), (dxs, types.float32),
+                      (acc, types.float32)):
+            if not isinstance(a, types.Array) or a.dtype != dt or a.layout != "C" or a.ndim != 2:
+                return None
+        if not all(isinstance(v, types.Integer) for v in (g0, g1, tok)):
+            return None
+        sig = types.void(w, dw, m, corr, x, dx, dxs, acc, g0, g1, tok)
+
+        def codegen(context, builder, sig, args):
+            g0, g1, t0 = (_as_i64(builder, v) for v in args[8:11])
+            rows = [tuple(_row_ptr(context, builder, sig.args[a], args[a], _const(r))
+                          for a in (0, 1, 2, 3)) for r in range(n_rows)]
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a],
+                                   builder.add(t0, _const(t))) for a in (4, 5, 6))
+                    for t in range(n_toks)]
+            acc_ptrs = [[builder.bitcast(_row_ptr(context, builder, sig.args[7], args[7],
+                                                  builder.add(builder.mul(builder.add(t0, _const(t)),
+                                                                          _const(n_rows)), _const(r))),
+                                         ir.VectorType(_F32, 16).as_pointer())
+                         for t in range(n_toks)] for r in range(n_rows)]
+            _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    dot.__doc__ = f"""Dots of the {n_rows} weight rows of (w, dw, m, corr) (rows 0..{n_rows - 1}:
+        a task's unpacked rows) with activation rows tok..tok+{n_toks - 1} of (x, dx, dxs) over
+        groups g0..g1-1. The 16-lane float accumulator of (row r, token t) is row
+        t * {n_rows} + r of acc (float32, 16 columns): zero it, call once per run of groups, in
+        order, then KSUM gives the result (bit-identical whatever the runs and tiles).
+        w, x: uint8 bit patterns (rows, 256 * ngroups) in the K group layout
+        ({"w unsigned quants, x signed int8" if affine else "w signed quants, x unsigned x + 128"});
+        dw, m (float32), corr (int32): (rows, 16 * ngroups) per sub-block; dx float32 (k,
+        ngroups) per super-block; dxs float32 (k, 16 * ngroups). {"Reads m and dxs, not corr"
+        if affine else "Reads corr, not m and dxs"}. No bounds checks."""
+    return dot
+
+
+#: K-quant tiles of 4 weight rows x 2 tokens and 4 x 1: affine (Q2_K, Q4_K, Q5_K) and
+#: symmetric (Q3_K, Q6_K)
+DOT_K_4x2_AFF, DOT_K_4x1_AFF = _make_dot_k(4, 2, True), _make_dot_k(4, 1, True)
+DOT_K_4x2_SYM, DOT_K_4x1_SYM = _make_dot_k(4, 2, False), _make_dot_k(4, 1, False)
+#: rows per K tile (the accumulators' row numbering depends on it)
+K_TILE_ROWS = 4
+
+
+@intrinsic
+def KSUM(typingctx, acc, i):
+    """The fixed-tree sum of the 16 lanes of row i of acc (float32, 16 columns)."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 2
+            and acc.layout == "C" and isinstance(i, types.Integer)):
+        return None
+    sig = types.float32(acc, i)
+
+    def codegen(context, builder, sig, args):
+        p = _row_ptr(context, builder, sig.args[0], args[0], _as_i64(builder, args[1]))
+        v = builder.load(builder.bitcast(p, ir.VectorType(_F32, 16).as_pointer()), align=4)
+        return tree_sum_f32(builder, v)
+
+    return sig, codegen
+
+
+def _lanes(builder, src, idx, shifts, mask):
+    """Per lane i: (word idx[i] of src >> shifts[i]) & mask; src: one or two <n x i32> (a
+    pair's words numbered on)."""
+    a, b = (src[0], src[0]) if len(src) == 1 else src
+    v = builder.shuffle_vector(a, b, _mask(idx))
+    if any(shifts):
+        v = builder.lshr(v, _vconst(shifts, _I32))
+    return builder.and_(v, _splat(mask, _I32))
+
+
+def _rot_lanes(builder, src, idx, rots, mask):
+    """Per lane i: (word idx[i] of src rotated left by rots[i] (mod 32)) & mask: moves bits
+    within each byte when every byte's source bits sit rots[i] lower (vprolvd)."""
+    a, b = (src[0], src[0]) if len(src) == 1 else src
+    v = builder.shuffle_vector(a, b, _mask(idx))
+    v16i32 = ir.VectorType(_I32, 16)
+    fshl = _intrinsic_fn(builder, "llvm.fshl.v16i32", v16i32, [v16i32] * 3)
+    v = builder.call(fshl, [v, v, _vconst([r % 32 for r in rots], _I32)])
+    return builder.and_(v, _splat(mask, _I32))
+
+
+def _byte_lanes(builder, b16, idx, shifts, masks):
+    """Per lane i: (byte idx[i] of b16 (<16 x i8>) >> shifts[i]) & masks[i], as <16 x i32>."""
+    v = builder.zext(builder.shuffle_vector(b16, b16, _mask(idx)), ir.VectorType(_I32, 16))
+    if any(shifts):
+        v = builder.lshr(v, _vconst(shifts, _I32))
+    return builder.and_(v, _vconst(masks, _I32))
+
+
+def _emit_unpack_sb(builder, route, kind, rp, lutp, sb):
+    """IR for super-block sb (i64) of the raw row at rp (i8*) of K-quant ``kind``: its 4 chunks
+    of quants (<64 x i8>: unsigned q for the affine formats, signed q for Q3_K and Q6_K) in the
+    K group layout, and per lane the float scale dw, the offset m (affine; else None) and corr
+    (Q3_K, Q6_K: 128 * the lane's sum of quants, <16 x i32>; else None)."""
+    ts = (84, 110, 144, 176, 210)[kind]
+    offset = K_WEIGHT_OFFSET[kind]
+    L = range(16)
+    v3i32, v8i32 = ir.VectorType(_I32, 3), ir.VectorType(_I32, 8)
+    v16i32, v64i8 = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+    v16i8, v16f = ir.VectorType(_I8, 16), ir.VectorType(_F32, 16)
+
+    def fp16_splat(off, neg=False):
+        bits = builder.zext(_load(builder, rp, off, _I16), _I64)
+        v = builder.load(builder.gep(lutp, [bits]))
+        if neg:
+            v = builder.fsub(ir.Constant(_F32, -0.0), v)  # exact negation
+        return splat(builder, v, 16)
+
+    def bytes12(off):  # 12 bytes as <16 x i8> (the last 4 repeat bytes 8..11)
+        v = _load(builder, rp, off, v3i32)
+        return builder.bitcast(builder.shuffle_vector(v, v, _mask([0, 1, 2, 2])), v16i8)
+
+    o = builder.mul(sb, _const(ts))
+    at = lambda k: builder.add(o, _const(k))  # noqa: E731
+    chunks = []
+    if kind in (0, 1):  # qs: byte 32h + l, bits 2jj: value 128h + 32jj + l
+        qs = [_load(builder, rp, at(16 if kind == 0 else 32), v16i32)]
+        for c in range(4):
+            chunks.append(_lanes(builder, qs, [8 * (i // 8) + 4 * (i % 2) + c for i in L],
+                                 [2 * ((i % 8) // 2) for i in L], 0x03030303))
+        if kind == 1:  # hmask: bit e // 32 of byte e % 32 (set: q = stored - 4 >= 0) -> bit 2
+            hm = [_load(builder, rp, o, v8i32)]
+            for c in range(4):
+                hb = _rot_lanes(builder, hm, [4 * (i % 2) + c for i in L], [2 - i // 2 for i in L],
+                                0x04040404)
+                chunks[c] = builder.or_(chunks[c], hb)
+    elif kind in (2, 3):  # qs: byte 32h + l, nibble n: value 64h + 32n + l
+        q0 = 16 if kind == 2 else 48
+        qs = [_load(builder, rp, at(q0), v16i32), _load(builder, rp, at(q0 + 64), v16i32)]
+        for c in range(4):
+            chunks.append(_lanes(builder, qs, [8 * (i // 4) + 4 * (i % 2) + c for i in L],
+                                 [4 * ((i // 2) % 2) for i in L], 0x0F0F0F0F))
+        if kind == 3:  # qh: bit e // 32 of byte e % 32 is bit 4 of value e
+            qh = [_load(builder, rp, at(16), v8i32)]
+            for c in range(4):
+                hb = _rot_lanes(builder, qh, [4 * (i % 2) + c for i in L], [4 - i // 2 for i in L],
+                                0x10101010)
+                chunks[c] = builder.or_(chunks[c], hb)
+    else:  # Q6_K: ql byte 64h + 32(quarter & 1) + l, nibble quarter >> 1;
+        # qh byte 32h + l bits 2 * quarter; value 128h + 32 quarter + l
+        ql = [_load(builder, rp, o, v16i32), _load(builder, rp, at(64), v16i32)]
+        qh = [_load(builder, rp, at(128), v16i32)]
+        for c in range(4):
+            lo = _lanes(builder, ql, [16 * (i // 8) + 8 * (((i % 8) // 2) & 1) + 4 * (i % 2) + c
+                                      for i in L],
+                        [4 * (((i % 8) // 2) >> 1) for i in L], 0x0F0F0F0F)
+            hi = _rot_lanes(builder, qh, [8 * (i // 8) + 4 * (i % 2) + c for i in L],
+                            [4 - 2 * ((i % 8) // 2) for i in L], 0x30303030)
+            chunks.append(builder.or_(lo, hi))
+    qv = [builder.bitcast(ch, v64i8) for ch in chunks]
+    corr = None
+    if offset:  # signed quants; corr = 128 * (a lane's sum): the chunks added bytewise
+        qv = [builder.sub(q, _splat(offset, _I8, 64)) for q in qv]  # (|sum| <= 128), one dot
+        bsum = builder.add(builder.add(qv[0], qv[1]), builder.add(qv[2], qv[3]))
+        corr = _dot_chunk(builder, ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16),
+                          _splat(-128, _I8, 64), bsum, route)
+    # per-lane scales (and mins)
+    mn = None
+    if kind == 0:  # scales[j]: scale | min << 4, fp16 d, dmin at 80, 82
+        s = _load(builder, rp, o, v16i8)
+        sc = _byte_lanes(builder, s, list(L), [0] * 16, [15] * 16)
+        mn = _byte_lanes(builder, s, list(L), [4] * 16, [15] * 16)
+        d, dmin = fp16_splat(at(80)), fp16_splat(at(82), True)
+    elif kind == 1:  # 6-bit scales + 32 in 12 bytes, fp16 d at 108
+        s = bytes12(at(96))
+        lo = _byte_lanes(builder, s, [i % 8 for i in L], [4 * (i // 8) for i in L], [15] * 16)
+        hi = _byte_lanes(builder, s, [8 + i % 4 for i in L], [2 * (i // 4) for i in L], [3] * 16)
+        sc = builder.sub(builder.or_(lo, builder.shl(hi, _splat(4, _I32))), _splat(32, _I32))
+        d = fp16_splat(at(108))
+    elif kind in (2, 3):  # get_scale_min_k4(j = lane // 2) from 12 bytes at 4
+        s = bytes12(at(4))
+        j = [i // 2 for i in L]
+        lo4 = [63 if jj < 4 else 15 for jj in j]
+        hi2 = [0 if jj < 4 else 3 for jj in j]  # bits 6, 7 of another byte (j >= 4)
+        sc = builder.or_(
+            _byte_lanes(builder, s, [jj if jj < 4 else jj + 4 for jj in j], [0] * 16, lo4),
+            builder.shl(_byte_lanes(builder, s, [max(jj - 4, 0) for jj in j], [6] * 16, hi2),
+                        _splat(4, _I32)))
+        mn = builder.or_(
+            _byte_lanes(builder, s, [jj + 4 for jj in j], [0 if jj < 4 else 4 for jj in j], lo4),
+            builder.shl(_byte_lanes(builder, s, j, [6] * 16, hi2), _splat(4, _I32)))
+        d, dmin = fp16_splat(o), fp16_splat(at(2), True)
+    else:  # int8 scales at 192, fp16 d at 208
+        sc = builder.sext(_load(builder, rp, at(192), v16i8), v16i32)
+        d = fp16_splat(at(208))
+    dw = builder.fmul(builder.sitofp(sc, v16f), d)
+    m = builder.fmul(builder.sitofp(mn, v16f), dmin) if mn is not None else None
+    return qv, dw, m, corr
+
+
+def _make_unpack_k(kind):
+    @intrinsic
+    def unpack(typingctx, rr, lut, w, dw, m, corr, nsb):
+        """Super-blocks 0..nsb-1 of one raw row rr (uint8) -> quants w (uint8 bit patterns, 256
+        per super-block) in the K group layout and per sub-block of 16: the float scale dw,
+        the offset m (Q2_K, Q4_K, Q5_K) or corr = 128 * sum(w) (Q3_K, Q6_K; int32); the other
+        array is not touched. No bounds checks."""
+        sig = types.void(rr, lut, w, dw, m, corr, nsb)
+
+        def codegen(context, builder, sig, args):
+            rp, lutp, wp, dwp, mp, cp = [
+                context.make_array(sig.args[i])(context, builder, args[i]).data for i in range(6)]
+            v64i8 = ir.VectorType(_I8, 64)
+            route = _route(context, True)
+
+            def body(sb, _):
+                qv, dwv, mv, corrv = _emit_unpack_sb(builder, route, kind, rp, lutp, sb)
+                base = builder.mul(sb, _const(KGROUP_BYTES))
+                for c in range(4):
+                    p = builder.bitcast(builder.gep(wp, [builder.add(base, _const(64 * c))]),
+                                        v64i8.as_pointer())
+                    builder.store(qv[c], p, align=1)
+                lb = builder.mul(sb, _const(KGROUP_LANES))
+                for ptr, v in ((dwp, dwv), (mp, mv), (cp, corrv)):
+                    if v is not None:
+                        builder.store(v, builder.bitcast(builder.gep(ptr, [lb]), v.type.as_pointer()),
+                                      align=4)
+                return []
+
+            _loop(builder, _as_i64(builder, args[6]), [], body, "kunpack")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return unpack
+
+
+#: one per K-quant kind (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): (rr, lut, w, dw, m, corr, nsb)
+UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K, UNPACK_K_Q5_K, UNPACK_K_Q6_K = (
+    _make_unpack_k(k) for k in range(5))
+
+
+def _make_fused_k(kind, n_rows, n_toks):
+    affine = K_AFFINE[kind]
+
+    @intrinsic
+    def fused(typingctx, raw, lut, x, dx, dxs, tok, row, n_out):
+        """Dots of tokens tok..tok+T-1 with weight rows row..row+R-1 (each clamped to n_out - 1)
+        of raw (uint8 (rows, row bytes)), unpacked super-block by super-block in registers (no
+        scratch): a tuple of R * T float32, rows outer; the same per-lane float sequence as the
+        tiles and KSUM, so the same bits."""
+        sig = types.UniTuple(types.float32, n_rows * n_toks)(raw, lut, x, dx, dxs, tok, row, n_out)
+
+        def codegen(context, builder, sig, args):
+            v64i8, v16i32, v16f = (ir.VectorType(_I8, 64), ir.VectorType(_I32, 16),
+                                   ir.VectorType(_F32, 16))
+            route = _route(context, True)
+            fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
+            t0, r0, n = (_as_i64(builder, v) for v in args[5:8])
+            lutp = context.make_array(sig.args[1])(context, builder, args[1]).data
+            xa = context.make_array(sig.args[2])(context, builder, args[2])
+            nsb = builder.udiv(builder.extract_value(xa.shape, 1), _const(KGROUP_BYTES))
+            last = builder.sub(n, _const(1))
+            rps = []
+            for i in range(n_rows):
+                r = builder.add(r0, _const(i))
+                r = builder.select(builder.icmp_signed("<", r, last), r, last)
+                rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], builder.add(t0, _const(t)))
+                          for a in (2, 3, 4)) for t in range(n_toks)]
+            zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
+
+            def body(sb, accs):
+                base = builder.mul(sb, _const(KGROUP_BYTES))
+                gb = builder.mul(sb, _const(KGROUP_LANES))
+                xv = [[_load(builder, xp, builder.add(base, _const(64 * c)), v64i8) for c in range(4)]
+                      for xp, _, _ in toks]
+                dxv = [splat(builder, builder.load(builder.gep(dxp, [sb])), 16) for _, dxp, _ in toks]
+                dxsv = [_load(builder, dxsp, gb, v16f, 4) if affine else None for _, _, dxsp in toks]
+                out = []
+                for i, rp in enumerate(rps):
+                    qv, dwv, mv, corrv = _emit_unpack_sb(builder, route, kind, rp, lutp, sb)
+                    for t in range(n_toks):
+                        isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+                        for c in range(4):
+                            a, b = (qv[c], xv[t][c]) if affine else (xv[t][c], qv[c])
+                            isum = _dot_chunk(builder, isum, a, b, route)
+                        s = isum if affine else builder.sub(isum, corrv)
+                        acc = builder.call(fma, [builder.sitofp(s, v16f), builder.fmul(dwv, dxv[t]),
+                                                 accs[i * n_toks + t]])
+                        if affine:
+                            acc = builder.call(fma, [mv, dxsv[t], acc])
+                        out.append(acc)
+                return out
+
+            accs = _loop(builder, nsb, [(v16f, zero)] * (n_rows * n_toks), body, "kfused")
+            return context.make_tuple(builder, sig.return_type,
+                                      [tree_sum_f32(builder, a) for a in accs])
+
+        return sig, codegen
+
+    return fused
+
+
+#: tokens with weight rows unpacked in registers (k = 1: 4 rows x 1 token; k = 2: 4 x 2), per
+#: K-quant kind: (raw, lut, x, dx, dxs, tok, row, n_out) -> R * T float32, rows outer
+FUSED_K1_Q2_K, FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K = (
+    _make_fused_k(k, 4, 1) for k in range(5))
+FUSED_K2_Q2_K, FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K = (
+    _make_fused_k(k, 4, 2) for k in range(5))
+# === end of the K-quants section ===

@@ -23,10 +23,9 @@ int32 arrays, ``scratch`` / ``work`` are float32 arrays (SCRATCH values, LANE_WO
 Affine searches also return ``the_min`` as ggml's out-parameter (minus the offset).
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
+from ._llvm_ir import float32_bits
 from .floats import f32_bits_to_f16
 
 #: ggml's threshold under which a group counts as all zero
@@ -35,16 +34,6 @@ GROUP_MAX_EPS = np.float32(1e-15)
 MAX_CANDIDATES = 18
 #: float32 scratch values make_qx_quants and make_qp_quants need
 SCRATCH = 3 * MAX_CANDIDATES
-
-
-@intrinsic
-def float32_bits(typingctx, value):
-    """The bit pattern of a float32 as an int32 (C's memcpy from float to int)."""
-    if value != types.float32:
-        return None  # a float64 here would be a precision bug: refuse to compile
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
 
 
 @njit(cache=True)

@@ -70,6 +70,11 @@ class QuantFormat:
     #: that this format's integer matmul takes, or None where it has none
     act_type: str | None = None
 
+    #: the shortest row for which the int8 kernel beats the float32 one (measured, 1 thread, k=1):
+    #: shorter rows are padded to the kernel's tile width and a small matmul is dominated by
+    #: per-row set-up, so the engine's default mode keeps float32 activations below it
+    int8_min_row: int = 0
+
     @property
     def has_int8_matmul(self) -> bool:
         return self.act_type is not None

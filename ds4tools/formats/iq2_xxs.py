@@ -25,6 +25,8 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from . import _simd
+from ._int8dot import IQ2_XXS_GRID, KIND_IQ2_XXS
+from .legacy import INT8_MIN_ROW, _matmul_q8, matmul_q8_tiles
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
 from ._search import GROUP_MAX_EPS, SCRATCH, make_qp_quants, nearest_int
 
@@ -362,38 +364,20 @@ def _iq2_xxs_matmul(raw, lut, grid_u64, sign_mask_u64, x, out, chunk):
 # --- int8 activations (ggml's vec_dot_type for IQ2_XXS is Q8_K: int8 per 256, float scale) ---
 
 
+# The int8 path is Q8_0's tiles (legacy.matmul_q8_tiles, kind KIND_IQ2_XXS): a row unpacked by
+# _int8dot.UNPACK_IQ2_XXS to signed levels + 128 (unsigned bytes, as Q8_0's) with per 32-block
+# float scales d * (2s + 1) / 8, dotted with the Q8_K activations handed over per 32-block
+# (the scale per 256 repeated, the sums of 16 paired). ggml sums the block dots times 2s + 1 in
+# int32 per super-block first; here each block's exact dot is scaled in float: the same
+# product, rounded per block.
+
 #: the grid points' eight int8 levels as one uint64 each, and per 7-bit sign pattern a uint64
-#: with 0xFF in the bytes to negate (the int8 path builds 32 signed levels from 4 + 4 loads)
+#: with 0xFF in the bytes to negate (the float path builds 32 signed levels from 4 + 4 loads)
 _GRID_U64 = np.ascontiguousarray(_GRID_I8).view(np.uint64).reshape(256)
 _SIGN_MASK_U64 = np.where(_SIGNS_I8 < 0, 0xFF, 0).astype(np.uint8).view(np.uint64).reshape(128)
-#: output rows per parallel chunk of the int8 matmul (scratch is allocated once per chunk)
+assert tuple(int(v) for v in np.abs(_GRID_I8).view(np.uint64).reshape(256)) == IQ2_XXS_GRID
+#: output rows per parallel chunk of the float matmul (scratch is allocated once per chunk)
 _Q8_CHUNK = 32
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _iq2_xxs_matmul_int8(raw, lut, grid_u64, sign_mask_u64, qx, dx, out, chunk):
-    # ggml's vec_dot_iq2_xxs_q8_K: per 32-block an integer dot product times the odd block
-    # scale 2s+1, summed in int32 over the super-block, times d_w * d_x, and 1/8 at the end.
-    # Each weight row is unpacked once for all k activation rows, the block scales folded into
-    # the signed levels as int16 (_simd.unpack_iq2_xxs_blocks_i16); the dot products are
-    # _simd.dot_i16_superblocks (int16 pair sums accumulated in int32 lanes, exact; one
-    # horizontal sum per super-block; the float part in super-block order).
-    # The same code runs for every (t, r), so results do not depend on k or the thread split.
-    n_out = raw.shape[0]
-    k, n_in = qx.shape
-    nbl = n_in // QK_K
-    for c in prange((n_out + chunk - 1) // chunk):
-        q = np.empty(n_in, np.int16)
-        ls = np.empty(n_in // 32, np.int32)
-        d = np.empty(nbl, np.float32)
-        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
-            row = raw[r]
-            _simd.unpack_iq2_xxs_blocks_i16(row, grid_u64, sign_mask_u64, q, ls, nbl)
-            for b in range(nbl):
-                o0 = b * BLOCK_BYTES
-                d[b] = lut[np.int64(row[o0]) | (np.int64(row[o0 + 1]) << 8)]
-            for t in range(k):
-                out[t, r] = np.float32(0.125) * _simd.dot_i16_superblocks(q, d, qx[t], dx[t], nbl)
 
 
 @register
@@ -402,8 +386,9 @@ class IQ2_XXS(QuantFormat):
     uses_imatrix = True
     requires_imatrix = True  # ggml_quantize_requires_imatrix
     act_type = "Q8_K"
+    int8_min_row = INT8_MIN_ROW
     #: the int8 path's numba kernel (for the assembly checks)
-    q8_kernel = _iq2_xxs_matmul_int8
+    q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
         code_map, neighbours = search_tables()
@@ -420,8 +405,7 @@ class IQ2_XXS(QuantFormat):
         _iq2_xxs_matmul(raw, FP16_TO_FP32, _GRID_U64, _SIGN_MASK_U64, x, out, _Q8_CHUNK)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _iq2_xxs_matmul_int8(raw, FP16_TO_FP32, _GRID_U64, _SIGN_MASK_U64,
-                             np.ascontiguousarray(act.q), np.ascontiguousarray(act.d), out, _Q8_CHUNK)
+        matmul_q8_tiles(KIND_IQ2_XXS, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

@@ -17,6 +17,8 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from . import _simd
+from ._int8dot import IQ4_NL_LEVELS
+from .legacy import INT8_MIN_ROW, KIND_IQ4_NL, _matmul_q8, matmul_q8_tiles
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 
 QK = 32
@@ -24,6 +26,7 @@ BLOCK_BYTES = 18
 #: the 16 non-linear levels, taken from the gguf package (the format's defining table)
 KVALUES = np.array(_gguf_quants.IQ4_NL.kvalues, dtype=np.float32)
 assert KVALUES.shape == (16,) and (np.diff(KVALUES) > 0).all()
+assert tuple(KVALUES) == IQ4_NL_LEVELS  # the int8 path's table
 
 #: decision points between neighbouring levels, and the step from one level to the next
 MIDPOINTS = ((KVALUES[:-1].astype(np.float64) + KVALUES[1:]) / 2).astype(np.float32)
@@ -194,43 +197,24 @@ def _iq4_nl_matmul(raw, lut, values_i8, x, out, qk, chunk):
 
 
 # --- int8 activations (ggml's vec_dot_type for IQ4_NL is Q8_0: int8 per 32, fp16 scale) -------
+# The levels + 128 are unsigned bytes, as Q8_0's quants + 128 are: the int8 path is Q8_0's
+# (legacy.matmul_q8_tiles, kind IQ4_NL), the row unpacked by _int8dot.UNPACK_IQ4_NL (Q4_0's
+# nibble unpack, then one byte shuffle per 64 values looking the levels up).
 
 
-if _simd.HAS_PSHUFB:
-    @njit(cache=True)
-    def _unpack_row_i8(rr, lut, values_i8, q, d):
-        """_unpack_row for the int8 path: the nibble lookup as one byte shuffle per 16 bytes."""
-        nb = d.shape[0]
-        _simd.unpack_nibbles_lut16(rr, values_i8, q, nb, BLOCK_BYTES, 2)
-        for b in range(nb):
-            o = b * BLOCK_BYTES
-            d[b] = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
-else:
-    @njit(cache=True)
-    def _unpack_row_i8(rr, lut, values_i8, q, d):
-        _unpack_row(rr, lut, values_i8, q, d)
+@njit(cache=True)
+def _unpack_row_i8(rr, lut, values_i8, q, d):
+    """_unpack_row for the float path's levels (int8): one byte shuffle per 16 bytes where the
+    host has one (_simd.unpack_nibbles_lut16), then the scales."""
+    nb = d.shape[0]
+    _simd.unpack_nibbles_lut16(rr, values_i8, q, nb, BLOCK_BYTES, 2)
+    for b in range(nb):
+        o = b * BLOCK_BYTES
+        d[b] = lut[np.int64(rr[o]) | (np.int64(rr[o + 1]) << 8)]
 
 
-#: output rows per parallel chunk of the int8 matmul (scratch is allocated once per chunk)
+#: output rows per parallel chunk of the float matmul (scratch is allocated once per chunk)
 _Q8_CHUNK = 32
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _iq4_nl_matmul_int8(raw, lut, values_i8, qx, dx, out, chunk):
-    # Each weight row is unpacked once (levels as int8, scales as float32) for all k activation
-    # rows; the dot product of a row pair is _simd.dot_q8_0_blocks: per 32-block 16 int32 pair
-    # sums (pmaddwd), converted and scaled lane-wise, lanes summed at the end in a fixed order.
-    # The same code runs for every (t, r), so results do not depend on k or the thread split.
-    n_out = raw.shape[0]
-    k, n_in = qx.shape
-    nb = n_in // QK
-    for c in prange((n_out + chunk - 1) // chunk):
-        q = np.empty(n_in, np.int8)
-        d = np.empty(nb, np.float32)
-        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
-            _unpack_row_i8(raw[r], lut, values_i8, q, d)
-            for t in range(k):
-                out[t, r] = _simd.dot_q8_0_blocks(q, d, qx[t], dx[t], nb)
 
 
 @register
@@ -238,8 +222,9 @@ class IQ4_NL(QuantFormat):
     name, ggml_type, block_size, type_size = "IQ4_NL", T.IQ4_NL, QK, BLOCK_BYTES
     uses_imatrix = True
     act_type = "Q8_0"
+    int8_min_row = INT8_MIN_ROW
     #: the int8 path's numba kernel (for the assembly checks)
-    q8_kernel = _iq4_nl_matmul_int8
+    q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
         out = np.empty((x.shape[0], self.row_bytes(x.shape[1])), np.uint8)
@@ -257,8 +242,7 @@ class IQ4_NL(QuantFormat):
         _iq4_nl_matmul(raw, FP16_TO_FP32, _KVALUES_I8, x, out, QK, _Q8_CHUNK)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _iq4_nl_matmul_int8(raw, FP16_TO_FP32, _KVALUES_I8, np.ascontiguousarray(act.q),
-                            np.ascontiguousarray(act.d), out, _Q8_CHUNK)
+        matmul_q8_tiles(KIND_IQ4_NL, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import iq as k

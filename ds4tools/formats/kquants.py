@@ -22,12 +22,14 @@ import math
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from .base import QuantFormat, register
+from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_SYM, FUSED_K1_Q2_K,
+                       FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K, FUSED_K2_Q2_K,
+                       FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, K_AFFINE,
+                       K_TILE_ROWS, KSUM, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
+                       UNPACK_K_Q5_K, UNPACK_K_Q6_K)
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
                       from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
@@ -686,274 +688,164 @@ def _matmul(kind, raw, lut, x, out):
 
 
 # --- int8 activations (ggml's vec_dot_type for the K-quants is Q8_K) -------------------------
-# As ggml's vec_dot_q*_K_q8_K: per sub-block an integer dot product times the integer sub-block
-# scale, summed in int32 over the super-block, times d_w * d_x; mins via dmin * sum(m * bsums).
-# Here the integer sub-block scales are folded into the quants when a weight row is unpacked
-# (int16: |q * scale| <= 4096), once per row for all k activation rows, so each super-block is
-# one long int16 x int16 -> int32 reduction (pmaddwd / vpdpwssd). The mins (Q2_K, Q4_K, Q5_K)
-# are kept per 16 values, for the activations' sums of 16. Q3_K and Q6_K fold their offset
-# (4, 32) into the quants. Integer sums are exact, so their order is free; the float part is a
-# fixed per-row sequence over the super-blocks, whatever k or the thread split.
-
-
-# The unpackers index with unsigned integers (numba adds no negative-index wraparound then,
-# which would turn vector loads and stores into scalar or gather code) and take the 16 of
-# their inner loops at run time (``n16``: with a constant, LLVM unrolls them into scalar code).
-_U = np.uint64
-
-
-@njit(cache=True)
-def _i16(v):
-    return np.int16(v)
-
-
-@njit(cache=True)
-def _unpack_q2_k_i16(rr, lut, w, dw, dm, mins, n16):
-    for sb in range(_U(dw.shape[0])):
-        o = sb * _U(84)
-        dw[sb] = _lut16(lut, rr, np.int64(o) + 80)
-        dm[sb] = _lut16(lut, rr, np.int64(o) + 82)
-        for j in range(_U(16)):
-            mins[_U(16) * sb + j] = np.int32(rr[o + j]) >> 4
-        for h in range(_U(2)):
-            for half in range(_U(2)):
-                s = o + _U(8) * h + half  # scales of values 128h + 32jj + 16half + l: s + 2jj
-                c0, c1 = _i16(rr[s] & 0xF), _i16(rr[s + _U(2)] & 0xF)
-                c2, c3 = _i16(rr[s + _U(4)] & 0xF), _i16(rr[s + _U(6)] & 0xF)
-                qo = o + _U(16) + _U(32) * h + _U(16) * half
-                yo = sb * _U(QK_K) + _U(128) * h + _U(16) * half
-                for l in range(n16):
-                    v = _i16(rr[qo + l])
-                    w[yo + l] = _i16(_i16(v & 3) * c0)
-                    w[yo + _U(32) + l] = _i16(_i16((v >> 2) & 3) * c1)
-                    w[yo + _U(64) + l] = _i16(_i16((v >> 4) & 3) * c2)
-                    w[yo + _U(96) + l] = _i16(_i16(v >> 6) * c3)
+# As ggml's vec_dot_q*_K_q8_K: per sub-block an exact integer dot of the weights' quants with the
+# activations' int8, then the scales; here the scales are applied in float per sub-block of 16,
+# lane-wise (16 sub-blocks = one super-block = one vector operation), not in int32 per
+# super-block. _int8dot's K section has the layout and the IR: a weight row's super-block is
+# unpacked (UNPACK_K_* / _emit_unpack_sb: per 64 quants a word permutation, a per-lane shift or
+# rotate and a mask) into 4 chunks of bytes, lane i = sub-block i, with per lane the float scale
+# dw = d * sc and the offset m = -dmin * min (Q2_K, Q4_K, Q5_K) or corr = 128 * sum(q) (Q3_K,
+# Q6_K, whose activations come as x + 128); the activations are put in the same layout once per
+# call with dx per super-block and dx * bsum per sub-block (_prep_act_k). Then per (row, token)
+# and super-block: 4 vpdpbusd into 16 int32 lanes, acc = fma(float(isum [- corr]), dw * dx, acc)
+# [, acc = fma(m, dx * bsum, acc)], and a fixed tree over the lanes at the end: the same float
+# sequence whatever the path below, k or the thread split (bit-identical results).
+# * k = 1, 2 (decode, 2-token drafts): FUSED_K1_* / FUSED_K2_* unpack 4 rows super-block by
+#   super-block in registers and dot them with the 1 or 2 tokens at once (no scratch).
+# * k >= 3: each row is unpacked once per call into a task's scratch, 4 rows and one run of
+#   super-blocks (_run_groups) at a time, then the K tiles (4 rows x 2 tokens, 4 x 1 for an odd
+#   last token) run over all the tokens, so the run's weights and activations stay in L1 / L2.
+# Rows go in fours (the last row repeated to fill a tile; its copies are not written).
+_QK_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
+_QK_RUN_BYTES = 65536  # activation bytes (all tokens) per run, at most: see _run_groups
+_QK_RUN_GROUPS = 16  # super-blocks per run, at most
 
 
 @njit(cache=True)
-def _unpack_q3_k_i16(rr, lut, w, dw, n16):
-    for sb in range(_U(dw.shape[0])):
-        o = sb * _U(110)
-        io = np.int64(o)
-        dw[sb] = _lut16(lut, rr, io + 108)
-        for h in range(_U(2)):
-            for half in range(_U(2)):
-                j = 8 * np.int64(h) + np.int64(half)
-                c0 = _i16(_q3_scale(rr, io + 96, j))
-                c1 = _i16(_q3_scale(rr, io + 96, j + 2))
-                c2 = _i16(_q3_scale(rr, io + 96, j + 4))
-                c3 = _i16(_q3_scale(rr, io + 96, j + 6))
-                sh = _i16(4 * h)
-                qo = o + _U(32) + _U(32) * h + _U(16) * half
-                mo = o + _U(16) * half
-                yo = sb * _U(QK_K) + _U(128) * h + _U(16) * half
-                for l in range(n16):
-                    v = _i16(rr[qo + l])
-                    hm = _i16(_i16(rr[mo + l]) >> sh)
-                    w[yo + l] = _i16(_i16(_i16(v & 3) - 4 + _i16(4 * (hm & 1))) * c0)
-                    w[yo + _U(32) + l] = _i16(_i16(_i16((v >> 2) & 3) - 4 + _i16(2 * (hm & 2))) * c1)
-                    w[yo + _U(64) + l] = _i16(_i16(_i16((v >> 4) & 3) - 4 + _i16(hm & 4)) * c2)
-                    w[yo + _U(96) + l] = _i16(_i16(_i16(v >> 6) - 4 + _i16((hm & 8) >> 1)) * c3)
-
-
-@njit(cache=True)
-def _unpack_q45_k_i16(five, rr, lut, w, dw, dm, mins, n16):
-    ts = _U(176) if five else _U(144)
-    qs = _U(48) if five else _U(16)
-    n32 = n16 + n16
-    for sb in range(_U(dw.shape[0])):
-        o = sb * ts
-        io = np.int64(o)
-        dw[sb] = _lut16(lut, rr, io)
-        dm[sb] = _lut16(lut, rr, io + 2)
-        for h in range(_U(4)):
-            sc1, m1 = get_scale_min_k4(2 * np.int64(h), rr, io + 4)
-            sc2, m2 = get_scale_min_k4(2 * np.int64(h) + 1, rr, io + 4)
-            mb = _U(16) * sb + _U(4) * h
-            mins[mb] = m1
-            mins[mb + _U(1)] = m1
-            mins[mb + _U(2)] = m2
-            mins[mb + _U(3)] = m2
-            c1 = _i16(sc1)
-            c2 = _i16(sc2)
-            qo = o + qs + _U(32) * h
-            yo = sb * _U(QK_K) + _U(64) * h
-            if five:
-                sh = _i16(2 * h)
-                for l in range(n32):
-                    v = _i16(rr[qo + l])
-                    hb = _i16(_i16(rr[o + _U(16) + l]) >> sh)
-                    w[yo + l] = _i16(_i16(_i16(v & 0xF) | _i16((hb & 1) << 4)) * c1)
-                    w[yo + _U(32) + l] = _i16(_i16(_i16(v >> 4) | _i16((hb & 2) << 3)) * c2)
-            else:
-                for l in range(n32):
-                    v = _i16(rr[qo + l])
-                    w[yo + l] = _i16(_i16(v & 0xF) * c1)
-                    w[yo + _U(32) + l] = _i16(_i16(v >> 4) * c2)
-
-
-@njit(cache=True)
-def _unpack_q6_k_i16(rr, lut, w, dw, n16):
-    for sb in range(_U(dw.shape[0])):
-        o = sb * _U(210)
-        dw[sb] = _lut16(lut, rr, np.int64(o) + 208)
-        for h in range(_U(2)):
-            for half in range(_U(2)):
-                so = o + _U(192) + _U(8) * h + half
-                s0 = _i16(as_int8(np.int64(rr[so])))
-                s1 = _i16(as_int8(np.int64(rr[so + _U(2)])))
-                s2 = _i16(as_int8(np.int64(rr[so + _U(4)])))
-                s3 = _i16(as_int8(np.int64(rr[so + _U(6)])))
-                ao = o + _U(64) * h + _U(16) * half
-                co = o + _U(128) + _U(32) * h + _U(16) * half
-                yo = sb * _U(QK_K) + _U(128) * h + _U(16) * half
-                for l in range(n16):
-                    a = _i16(rr[ao + l])
-                    b = _i16(rr[ao + _U(32) + l])
-                    c = _i16(rr[co + l])
-                    w[yo + l] = _i16(_i16(_i16(_i16(a & 0xF) | _i16((c & 3) << 4)) - 32) * s0)
-                    w[yo + _U(32) + l] = _i16(_i16(_i16(_i16(b & 0xF) | _i16(((c >> 2) & 3) << 4)) - 32) * s1)
-                    w[yo + _U(64) + l] = _i16(_i16(_i16(_i16(a >> 4) | _i16(((c >> 4) & 3) << 4)) - 32) * s2)
-                    w[yo + _U(96) + l] = _i16(_i16(_i16(_i16(b >> 4) | _i16(((c >> 6) & 3) << 4)) - 32) * s3)
-
-
-@njit(cache=True)
-def _unpack_row_i16(kind, rr, lut, w, dw, dm, mins, n16):
-    """One weight row to int16 quants with their integer sub-block scales folded in (offsets
-    subtracted), its fp16 d (and dmin) per super-block, and its mins per 16 values."""
+def _unpack_row_k(kind, rr, lut, w, dw, m, corr, nsb):
     if kind == 0:
-        _unpack_q2_k_i16(rr, lut, w, dw, dm, mins, n16)
+        UNPACK_K_Q2_K(rr, lut, w, dw, m, corr, nsb)
     elif kind == 1:
-        _unpack_q3_k_i16(rr, lut, w, dw, n16)
+        UNPACK_K_Q3_K(rr, lut, w, dw, m, corr, nsb)
     elif kind == 2:
-        _unpack_q45_k_i16(False, rr, lut, w, dw, dm, mins, n16)
+        UNPACK_K_Q4_K(rr, lut, w, dw, m, corr, nsb)
     elif kind == 3:
-        _unpack_q45_k_i16(True, rr, lut, w, dw, dm, mins, n16)
+        UNPACK_K_Q5_K(rr, lut, w, dw, m, corr, nsb)
     else:
-        _unpack_q6_k_i16(rr, lut, w, dw, n16)
+        UNPACK_K_Q6_K(rr, lut, w, dw, m, corr, nsb)
 
 
-def _make_dot_i16(nt, unroll):
-    """An intrinsic ``dot(w, x, t0, nsb, qk, isum)``: for the nt activation rows t0..t0+nt-1
-    of x (int16 (k, n_in), C-contiguous) and each block b < nsb of qk values (qk a multiple of
-    16 * unroll), isum[t, b] (int32 (k, nsb), C-contiguous) = sum of w[i] * x[t, i] over the block, in
-    int32, exact here (|sum| <= 4096 * 127 * 256), so the order of the sums is free. Written as LLVM vector IR (sign-extend 16 int16, multiply, add even and
-    odd lanes), which the x86 backend compiles to one vpmaddwd per 16 products (vpdpwssd
-    where VNNI exists) and other targets to plain vector code; numba's own loops only get
-    half-width pmaddwd (a vectorization factor of 8 int32 lanes). The nt rows share each
-    load of w."""
-
-    @intrinsic
-    def dot(typingctx, w, x, t0, nsb, qk, isum):
-        if not (isinstance(w, types.Array) and w.dtype == types.int16 and isinstance(x, types.Array)
-                and x.dtype == types.int16 and x.ndim == 2 and isinstance(isum, types.Array)
-                and isum.dtype == types.int32 and isum.ndim == 2):
-            return None
-        sig = types.void(w, x, t0, nsb, qk, isum)
-
-        def codegen(context, builder, signature, args):
-            i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-            v16, v16x32, v8 = ir.VectorType(i16, 16), ir.VectorType(i32, 16), ir.VectorType(i32, 8)
-            wa = context.make_array(signature.args[0])(context, builder, args[0])
-            xa = context.make_array(signature.args[1])(context, builder, args[1])
-            sa = context.make_array(signature.args[5])(context, builder, args[5])
-            t0_, nsb_, qk_ = (context.cast(builder, args[j], signature.args[j], types.int64) for j in (2, 3, 4))
-            row = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
-            srow = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
-            xps = [builder.gep(xa.data, [builder.mul(builder.add(t0_, ir.Constant(i64, j)), row)])
-                   for j in range(nt)]
-            sps = [builder.gep(sa.data, [builder.mul(builder.add(t0_, ir.Constant(i64, j)), srow)])
-                   for j in range(nt)]
-            step = 16 * unroll
-            even = ir.Constant(v8, [2 * j for j in range(8)])
-            odd = ir.Constant(v8, [2 * j + 1 for j in range(8)])
-            reduce_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [v8]),
-                                                       "llvm.vector.reduce.add.v8i32")
-            accs = [[cgutils.alloca_once(builder, v8) for _ in range(unroll)] for _ in range(nt)]
-            nit = builder.udiv(qk_, ir.Constant(i64, step))
-            with cgutils.for_range(builder, nsb_) as sbl:
-                lo = builder.mul(sbl.index, qk_)
-                for j in range(nt):
-                    for u in range(unroll):
-                        builder.store(ir.Constant(v8, None), accs[j][u])
-                with cgutils.for_range(builder, nit) as loop:
-                    base = builder.add(lo, builder.mul(loop.index, ir.Constant(i64, step)))
-                    for u in range(unroll):
-                        off = builder.add(base, ir.Constant(i64, 16 * u))
-                        pw = builder.bitcast(builder.gep(wa.data, [off]), v16.as_pointer())
-                        a = builder.sext(builder.load(pw, align=2), v16x32)
-                        for j in range(nt):
-                            px = builder.bitcast(builder.gep(xps[j], [off]), v16.as_pointer())
-                            p = builder.mul(a, builder.sext(builder.load(px, align=2), v16x32))
-                            pair = builder.add(builder.shuffle_vector(p, p, even), builder.shuffle_vector(p, p, odd))
-                            builder.store(builder.add(builder.load(accs[j][u]), pair), accs[j][u])
-                for j in range(nt):
-                    tot = builder.load(accs[j][0])
-                    for u in range(1, unroll):
-                        tot = builder.add(tot, builder.load(accs[j][u]))
-                    builder.store(builder.call(reduce_fn, [tot]), builder.gep(sps[j], [sbl.index]))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return dot
+@njit(cache=True, error_model="numpy")
+def _prep_act_k(q, d, sums, shift, xq, dx, dxs):
+    # Q8_K activations into the K group layout (value 16i + 4c + e of super-block g at byte
+    # 256g + 64c + 4i + e) as bytes q + shift (0 or 128), d per super-block, d * bsum per
+    # sub-block of 16 (affine formats: dxs has n / 16 columns, else it is not written).
+    k, n = q.shape
+    for t in range(k):
+        for g in range(n // QK_K):
+            dx[t, g] = d[t, g]
+            for i in range(16):
+                for c in range(4):
+                    for e in range(4):
+                        xq[t, QK_K * g + 64 * c + 4 * i + e] = (np.int32(q[t, QK_K * g + 16 * i + 4 * c + e])
+                                                                + shift) & 0xFF
+                if dxs.shape[1] > 1:
+                    dxs[t, 16 * g + i] = d[t, g] * np.float32(sums[t, 16 * g + i])
 
 
-_dot_i16_1 = _make_dot_i16(1, 4)
-_dot_i16_4 = _make_dot_i16(4, 2)
-# the mins: per super-block sum of 16 mins times the activations' sums of 16
-_msum_1 = _make_dot_i16(1, 1)
-_msum_4 = _make_dot_i16(4, 1)
+@njit(cache=True)
+def _fused_k1(kind, raw, lut, xq, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return FUSED_K1_Q2_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED_K1_Q3_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED_K1_Q4_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED_K1_Q5_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    return FUSED_K1_Q6_K(raw, lut, xq, dx, dxs, 0, r0, n)
 
-#: output rows per parallel chunk of the int8 matmul (scratch is allocated once per chunk)
-_Q8_CHUNK = 16
+
+@njit(cache=True)
+def _fused_k2(kind, raw, lut, xq, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return FUSED_K2_Q2_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED_K2_Q3_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED_K2_Q4_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, 0, r0, n)
+    return FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, 0, r0, n)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8_k(kind, raw, lut, qx, dx, bsums, out, qk, chunk):
-    # qx: int16 (k, n_in) activation quants (Q8_K's int8, widened once per call), C-contiguous;
-    # dx (k, n_in / 256) their scales, bsums (k, n_in / 16) their sums of 16 (int16, C order). qk (= 256)
-    # arrives at run time so that LLVM vectorizes the unpack loops instead of unrolling them.
-    # Each weight row is unpacked once, then dotted with all k rows, four at a time (their
-    # integer sums do not depend on the grouping); the float part runs per (row, token) in
-    # the same order over the super-blocks whatever k or the thread split.
+def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run):
+    """out[t, r] = the int8-activation dot of K-quant weight row r and activation row t (from
+    _prep_act_k): fused for k <= 2, else _int8dot's K tiles ``run`` super-blocks at a time
+    (see above)."""
     n_out = raw.shape[0]
-    k, n_in = qx.shape
-    nsb = n_in // qk
-    n16 = _U(qk // 16)
+    k, n_in = xq.shape
+    nsb = n_in // QK_K
     affine = kind == 0 or kind == 2 or kind == 3
-    for c in prange((n_out + chunk - 1) // chunk):
-        w = np.empty(n_in, np.int16)
-        dw = np.empty(nsb, np.float32)
-        dm = np.zeros(nsb, np.float32)
-        mins = np.zeros(nsb * 16, np.int16)
-        isum = np.empty((k, nsb), np.int32)
-        msum = np.zeros((k, nsb), np.int32)
-        for r in range(c * chunk, min(n_out, (c + 1) * chunk)):
-            _unpack_row_i16(kind, raw[r], lut, w, dw, dm, mins, n16)
-            t = 0
-            while t + 4 <= k:
-                _dot_i16_4(w, qx, t, nsb, qk, isum)
-                t += 4
-            while t < k:
-                _dot_i16_1(w, qx, t, nsb, qk, isum)
-                t += 1
-            if affine:
-                t = 0
-                while t + 4 <= k:
-                    _msum_4(mins, bsums, t, nsb, 16, msum)
-                    t += 4
-                while t < k:
-                    _msum_1(mins, bsums, t, nsb, 16, msum)
-                    t += 1
-            for t in range(k):
-                acc = np.float32(0.0)
-                for sb in range(nsb):
+    ts = TYPE_SIZE[kind]
+    R = K_TILE_ROWS
+    n_tiles = (n_out + R - 1) // R
+    per_task = _QK_ROWS_PER_TASK // R
+    if k == 0:
+        return
+    if k <= 2:  # one or two tokens: rows unpacked in registers, no scratch (same bits)
+        for c in prange((n_tiles + per_task - 1) // per_task):
+            for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
+                r0 = R * tile
+                if k == 1:
+                    v = _fused_k1(kind, raw, lut, xq, dx, dxs, r0)
+                    for i in range(min(R, n_out - r0)):
+                        out[0, r0 + i] = v[i]
+                else:
+                    v = _fused_k2(kind, raw, lut, xq, dx, dxs, r0)
+                    for i in range(min(R, n_out - r0)):
+                        out[0, r0 + i] = v[2 * i]
+                        out[1, r0 + i] = v[2 * i + 1]
+        return
+    for c in prange((n_tiles + per_task - 1) // per_task):
+        w = np.empty((R, n_in), np.uint8)
+        dw = np.empty((R, n_in // 16), np.float32)
+        m = np.empty((R, n_in // 16), np.float32)
+        corr = np.empty((R, n_in // 16), np.int32)
+        acc = np.empty((R * k, 16), np.float32)
+        for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
+            r0 = R * tile
+            acc[:, :] = 0
+            for g0 in range(0, nsb, run):
+                g1 = min(nsb, g0 + run)
+                for i in range(R):  # the run's super-blocks of the 4 rows (they stay in L1)
+                    _unpack_row_k(kind, raw[min(r0 + i, n_out - 1), g0 * ts:g1 * ts], lut,
+                                  w[i, g0 * QK_K:g1 * QK_K], dw[i, 16 * g0:16 * g1],
+                                  m[i, 16 * g0:16 * g1], corr[i, 16 * g0:16 * g1], g1 - g0)
+                for t in range(0, k - 1, 2):
                     if affine:
-                        acc += dx[t, sb] * (dw[sb] * np.float32(isum[t, sb]) - dm[sb] * np.float32(msum[t, sb]))
+                        DOT_K_4x2_AFF(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
                     else:
-                        acc += dx[t, sb] * (dw[sb] * np.float32(isum[t, sb]))
-                out[t, r] = acc
+                        DOT_K_4x2_SYM(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
+                if k % 2:
+                    if affine:
+                        DOT_K_4x1_AFF(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, k - 1)
+                    else:
+                        DOT_K_4x1_SYM(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, k - 1)
+            for i in range(min(R, n_out - r0)):
+                for t in range(k):
+                    out[t, r0 + i] = KSUM(acc, t * R + i)
+
+
+def _run_groups(kind, k):
+    """Super-blocks per run: at most _QK_RUN_GROUPS, and the run's activations of all k tokens
+    (256 quant bytes, and 64 of dx * bsum for the affine formats, per super-block and token)
+    within _QK_RUN_BYTES (measured: longer runs gain little, shorter ones lose to the tiles'
+    set-up per run)."""
+    per = max(k, 1) * (320 if K_AFFINE[kind] else 256)
+    return max(1, min(_QK_RUN_GROUPS, _QK_RUN_BYTES // per))
+
+
+def _cpu_matmul_q8_k(kind, raw, act, out):
+    k, n = act.q.shape
+    xq = np.empty((k, n), np.uint8)
+    dx = np.empty((k, n // QK_K), np.float32)
+    dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
+    _prep_act_k(act.q, act.d, act.sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
+    _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _run_groups(kind, k))
 
 
 class _KQuant(QuantFormat):
@@ -982,12 +874,10 @@ class _KQuant(QuantFormat):
     #: ggml's vec_dot_type for the K-quants
     act_type = "Q8_K"
     #: the int8 path's numba kernel (for the assembly checks)
-    q8_kernel = _matmul_q8_k
+    q8_kernel = _matmul_q8_kg
 
     def _cpu_matmul_q8(self, raw, act, out):
-        qx = act.q.astype(np.int16)  # widened once per call (C order), read by every weight row
-        bsums = act.sums.astype(np.int16)  # |sum of 16 int8| <= 2032
-        _matmul_q8_k(self.kind, raw, FP16_TO_FP32, qx, act.d, bsums, out, QK_K, _Q8_CHUNK)
+        _cpu_matmul_q8_k(self.kind, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k

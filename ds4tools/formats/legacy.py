@@ -18,14 +18,15 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from .base import QuantFormat, register
-from ._block32 import (QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, block_key_extrema,
-                       f32_from_bits, store_le)
+from ._block32 import QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, block_key_extrema
+from ._llvm_ir import f32_from_bits, store_le
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
                        DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
-                       GROUP_BLOCKS, GROUP_BYTES, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0,
-                       UNPACK_Q5_1, UNPACK_Q8_0, WEIGHT_OFFSET)
+                       GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
+                       UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
+                       UNPACK_Q8_0, WEIGHT_OFFSET)
 
 QK = 32
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -127,21 +128,31 @@ def _q8_0_matmul(raw, lut, x, out, qk):
                 out[t, r1] = a1
 
 
-# --- int8-activation matmuls (ggml's vec_dot_type Q8_0) for all five formats -------------------
+# --- int8-activation matmuls on 32-blocks: the five formats here, IQ4_NL and IQ2_XXS -----------
 # Each weight row is unpacked once (_int8dot's group layout: unsigned bytes, per-block scales d
 # and offsets m), then dotted with the activation rows by _int8dot's tiles: exact integer block
 # dots, then per lane acc += float(isum_b) * (d_w * d_x) (+ m_b * (d_x * sum(q_x)) for Q4_1 and
 # Q5_1) in a fixed order. Rows are padded with zero blocks to a multiple of GROUP_BLOCKS.
-# Kind numbers: KIND below for Q4_0..Q5_1, and 4 for Q8_0.
+# Kind numbers: KIND below for Q4_0..Q5_1, 4 for Q8_0, 5 for IQ4_NL, 6 for IQ2_XXS (whose Q8_K
+# activations are handed over per 32-block: see matmul_q8_tiles). Kinds 4..6 have signed
+# weights + 128 (any u <= 255) and share the Q8 tiles.
 _Q8_KIND_Q8_0 = 4
-_Q8_TYPE_SIZE = (18, 20, 22, 24, 34)
+KIND_IQ4_NL = 5
+#: rows shorter than two of _int8dot's 16-block groups run faster on the float32 kernel
+#: (measured on 1024-row matrices, 1 thread: int8 / f32 time at k=1 is 1.4-2.3 for rows of
+#: 512-768, 1.06 at 1024, 0.8 at 2048; at k=8 0.9-1.1, 0.5, 0.45)
+INT8_MIN_ROW = 2 * GROUP_BLOCKS * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 
 
 @njit(cache=True)
 def _unpack_groups(kind, rr, lut, u, dw, m, ng):
-    if kind == 0:
+    if kind == KIND_IQ2_XXS:
+        UNPACK_IQ2_XXS(rr, lut, u, dw, m, ng)
+    elif kind == KIND_IQ4_NL:
+        UNPACK_IQ4_NL(rr, lut, u, dw, m, ng)
+    elif kind == 0:
         UNPACK_Q4_0(rr, lut, u, dw, m, ng)
     elif kind == 1:
         UNPACK_Q4_1(rr, lut, u, dw, m, ng)
@@ -158,13 +169,12 @@ def _unpack_row_q8(kind, rr, lut, u, dw, m, tail):
     # One row's blocks -> _int8dot's group layout: unsigned quants u, scales dw, offsets m
     # (Q4_1/Q5_1; untouched otherwise). A last partial group is unpacked from tail: its
     # blocks, then zero bytes (scale 0: they add exact zeros).
-    ts = _Q8_TYPE_SIZE[kind]
-    nb = rr.shape[0] // ts
-    ng = nb // GROUP_BLOCKS
+    gr = GROUP_RAW_BYTES[kind]
+    ng = rr.shape[0] // gr
     _unpack_groups(kind, rr, lut, u, dw, m, ng)
-    if nb > ng * GROUP_BLOCKS:
+    if rr.shape[0] > ng * gr:
         tail[:] = 0
-        tail[:rr.shape[0] - ng * GROUP_BLOCKS * ts] = rr[ng * GROUP_BLOCKS * ts:]
+        tail[:rr.shape[0] - ng * gr] = rr[ng * gr:]
         _unpack_groups(kind, tail, lut, u[ng * GROUP_BYTES:], dw[ng * GROUP_BLOCKS:],
                        m[ng * GROUP_BLOCKS:], 1)
 
@@ -208,7 +218,7 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
         u = np.zeros((2, n_pad), np.uint8)
         dw = np.zeros((2, nb_pad), np.float32)
         m = np.zeros((2, nb_pad), np.float32)
-        tail = np.zeros(GROUP_BLOCKS * _Q8_TYPE_SIZE[kind], np.uint8)
+        tail = np.zeros(GROUP_RAW_BYTES[kind], np.uint8)
         acc = np.empty((2 * k, 16), np.float32)
         for pair in range(c * pairs, min(n_pairs, c * pairs + pairs)):
             r0 = 2 * pair
@@ -219,7 +229,7 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
             for g0 in range(0, ng, _Q8_RUN_GROUPS):
                 g1 = min(ng, g0 + _Q8_RUN_GROUPS)
                 for t in range(0, k - 1, 2):
-                    if kind == _Q8_KIND_Q8_0:
+                    if kind >= _Q8_KIND_Q8_0:
                         v00, v01, v10, v11 = DOT_2x2_Q8(u, dw, m, xq, xcorr, dx, dxs, acc,
                                                         g0, g1, 0, t)
                     elif kind == 0 or kind == 2:
@@ -233,7 +243,7 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
                     out[t, r1] = v10
                     out[t + 1, r1] = v11
                 if k % 2:
-                    if kind == _Q8_KIND_Q8_0:
+                    if kind >= _Q8_KIND_Q8_0:
                         v0, v1 = DOT_2x1_Q8(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
                     elif kind == 0 or kind == 2:
                         v0, v1 = DOT_2x1_SYM(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
@@ -243,14 +253,21 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
                     out[k - 1, r1] = v1
 
 
-def _cpu_matmul_q8_legacy(kind, raw, act, out):
+def matmul_q8_tiles(kind, raw, act, out):
+    """out (k, n_out) = the int8-activation product of raw weight rows of ``kind`` (see above)
+    and the quantized activations act (Q8_0; Q8_K for IQ2_XXS, whose scale per 256 and sums
+    of 16 are handed to the tiles per 32-block)."""
     k, n = act.q.shape
+    d, sums = act.d, act.sums
+    if act.kind == "Q8_K":
+        d = np.repeat(d, n // d.shape[1] // QK, axis=1)
+        sums = sums.reshape(k, n // QK, 2).sum(axis=2, dtype=np.int32)
     nb_pad = -(-(n // QK) // GROUP_BLOCKS) * GROUP_BLOCKS
     xq = np.empty((k, nb_pad * QK), np.int8)
     xcorr = np.empty((k, nb_pad), np.int32)
     dx = np.empty((k, nb_pad), np.float32)
     dxs = np.empty((k, nb_pad), np.float32)
-    _prep_act_q8(act.q, act.d, act.sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
+    _prep_act_q8(act.q, d, sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
     _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
 
 
@@ -259,6 +276,7 @@ class Q8_0(QuantFormat):
     name, ggml_type, block_size, type_size = "Q8_0", T.Q8_0, 32, 34
     uses_imatrix = False  # ggml's quantize_q8_0 ignores importance weights
     act_type = "Q8_0"
+    int8_min_row = INT8_MIN_ROW
     q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
@@ -275,7 +293,7 @@ class Q8_0(QuantFormat):
         _q8_0_matmul(raw, FP16_TO_FP32, x, out, QK)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _cpu_matmul_q8_legacy(_Q8_KIND_Q8_0, raw, act, out)
+        matmul_q8_tiles(_Q8_KIND_Q8_0, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import legacy as k
@@ -671,6 +689,7 @@ class _Legacy32(QuantFormat):
     block_size = QK
     uses_imatrix = True
     act_type = "Q8_0"
+    int8_min_row = INT8_MIN_ROW
     q8_kernel = _matmul_q8
 
     @property
@@ -694,7 +713,7 @@ class _Legacy32(QuantFormat):
         _matmul(self.kind, raw, FP16_TO_FP32, x, out, HALF)
 
     def _cpu_matmul_q8(self, raw, act, out):
-        _cpu_matmul_q8_legacy(self.kind, raw, act, out)
+        matmul_q8_tiles(self.kind, raw, act, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import legacy as k
