@@ -6,7 +6,9 @@ For each format and matrix size it prints, measured in this process (best of --r
   (where gguf-py has the operation) and against ggml's own quantizer (ggml-python's
   ggml_quantize_chunk with the rows split over 2 Python threads; ctypes drops the GIL);
 * a matrix-vector product (one token): our fused kernel, and the int8-activation path where the
-  format has one, against numpy's float32 BLAS on the already dequantized matrix.
+  format has one, against numpy's float32 BLAS on the already dequantized matrix, and the GB/s
+  of weight bytes each reads next to a numpy memory copy measured at the start of the run;
+  then the verify cost r(k) = time(k rows) / time(1 row) of the int8 path for k = 2, 4, 8, 16.
 
 Ratios are "times faster than the baseline" (> 1 means we are faster).
 
@@ -122,7 +124,7 @@ def _ratio(baseline: float | None, ours: float) -> str:
     return "   n/a" if baseline is None else f"{baseline / ours:6.2f}x"
 
 
-def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng) -> list[str]:
+def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps: float) -> list[str]:
     f = formats.FORMATS[name]
     if n % f.block_size:
         return [f"{name:8s} {rows}x{n}: skipped (row length not a multiple of {f.block_size})"]
@@ -139,12 +141,12 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng) -> list[str]
 
     tq = best_time(ours_q, repeat)
     gq = gguf_py_op(name, "quantize")
-    tq_gguf = best_time(lambda: gq(x), max(1, min(repeat, 2))) if gq else None
+    tq_gguf = best_time(lambda: gq(x), repeat) if gq else None
     tq_ggml = None
     if ggml is not None:
         ggml_quantize_threads(ggml, warm, name, imatrix, GGML_THREADS)
         tq_ggml = best_time(lambda: ggml_quantize_threads(ggml, x, name, imatrix, GGML_THREADS),
-                            max(1, min(repeat, 2)))
+                            repeat)
 
     formats.dequantize(raw[:2], name, warm.shape)
     w_deq = None
@@ -167,6 +169,12 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng) -> list[str]
         t_mv8 = best_time(lambda: formats.matmul(raw, name, x.shape, vec, int8=True), mv_repeat)
     w_t = np.ascontiguousarray(w_deq)
     t_blas = best_time(lambda: vec @ w_t.T, mv_repeat)
+    t_fast = t_mv8 if t_mv8 is not None else t_mv
+    r_k = {}
+    for k in (2, 4, 8, 16):
+        xk = rng.standard_normal((k, n)).astype(np.float32)
+        r_k[k] = best_time(lambda: formats.matmul(raw, name, x.shape, xk, int8=t_mv8 is not None),
+                           mv_repeat) / t_fast
 
     lines = [
         f"{name:8s} {rows}x{n}  quantize {_gbps(rows, n, tq):7.3f} GB/s ({tq * 1e3:8.1f} ms)"
@@ -178,6 +186,9 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng) -> list[str]
         + (f", int8 {t_mv8 * 1e3:7.2f} ms" if t_mv8 is not None else "")
         + f"  vs numpy f32 BLAS on the dequantized matrix ({t_blas * 1e3:.2f} ms): fused {_ratio(t_blas, t_mv)}"
         + (f", int8 {_ratio(t_blas, t_mv8)}" if t_mv8 is not None else ""),
+        f"{'':8s} {'':{len(f'{rows}x{n}')}}  matvec weights read at {raw.nbytes / t_fast / 1e9:6.2f} GB/s"
+        f" = {raw.nbytes / t_fast / 1e9 / memcpy_gbps:4.2f} x memcpy ({'int8' if t_mv8 is not None else 'f32'});"
+        f"  r(k) " + " ".join(f"{k}:{v:.2f}" for k, v in r_k.items()),
     ]
     return lines
 
@@ -199,11 +210,14 @@ def main(argv=None) -> int:
     from numba import get_num_threads
     print(f"# ds4tools formats benchmark: numba threads {get_num_threads()}, best of {repeat}; "
           f"ggml baseline: {'ggml_quantize_chunk on %d threads' % GGML_THREADS if ggml else 'ggml-python not installed'}")
+    from ds4tools.bench.measure import memcpy_bandwidth
+    memcpy_gbps = memcpy_bandwidth(1 << 26 if args.quick else 1 << 28)
+    print(f"# numpy memory copy: {memcpy_gbps:.1f} GB/s (bytes read per second, this run)")
     print("# ratios: times faster than the baseline (> 1: ours is faster)")
     rng = np.random.default_rng(0)
     for rows, n in sizes:
         for name in names:
-            for line in bench_one(name, rows, n, repeat, ggml, rng):
+            for line in bench_one(name, rows, n, repeat, ggml, rng, memcpy_gbps):
                 print(line, flush=True)
     return 0
 

@@ -17,7 +17,9 @@ def test_bench_formats_quick_run(capsys):
     stripped = [line.strip() for line in out.splitlines()]
     assert sum(line.startswith("dequantize ") for line in stripped) == len(formats.FORMATS)
     assert sum(line.startswith("matvec fused ") for line in stripped) == len(formats.FORMATS)
-    assert "vs ggml 2-thread" in out
+    assert sum(line.startswith("matvec weights read at ") and "x memcpy" in line and "16:" in line
+               for line in stripped) == len(formats.FORMATS)
+    assert "vs ggml 2-thread" in out and "# numpy memory copy:" in out
 
 
 def test_bench_formats_rejects_a_bad_size():

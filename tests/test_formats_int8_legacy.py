@@ -188,3 +188,43 @@ def test_float_row_decoder_is_bit_identical(kind):
     legacy._decode_row(kind, raw, FP16_TO_FP32, a, legacy.HALF)
     legacy._decode_row_f32(kind, raw, FP16_TO_FP32, b)
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
+def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, monkeypatch):
+    # k <= 2 runs fused 4-row kernels (no scratch, no padded groups): on the VNNI, AVX2 and
+    # generic routes each (row, token) must equal what the k >= 3 tiles compute, bit for bit
+    from ds4tools.formats import legacy
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    kind = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"].index(name)
+    rng = np.random.default_rng(3)
+    for n_in in (32 * 7, 32 * 16, 32 * 45):  # a partial group, one group, several groups
+        n_out = 6
+        raw = formats.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32), name)
+        x = rng.standard_normal((3, n_in)).astype(np.float32)
+        ref = np.empty((3, n_out), np.float32)
+        formats.FORMATS[name]._cpu_matmul_q8(raw, quantize_activations(x, "Q8_0"), ref)  # k = 3: tiles
+        prepared = {}  # the activations as matmul_q8_tiles lays them out for k = 1 and k = 2
+        monkeypatch.setattr(legacy, "_matmul_q8", lambda kind_, raw_, lut, xq, xc, dx, dxs, out:
+                            prepared.__setitem__(xq.shape[0], (xq, xc, dx, dxs)))
+        legacy.matmul_q8_tiles(kind, raw, quantize_activations(x[:1], "Q8_0"), np.empty((1, n_out), np.float32))
+        legacy.matmul_q8_tiles(kind, raw, quantize_activations(x[1:], "Q8_0"), np.empty((2, n_out), np.float32))
+        monkeypatch.undo()
+        for vnni, avx2 in ((True, True), (False, True), (False, False)):
+            monkeypatch.setattr(_int8dot, "USE_VNNI", vnni)
+            monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
+            one, two = getattr(_int8dot, "FUSED1_" + name), getattr(_int8dot, "FUSED2_" + name)
+
+            @njit
+            def run(raw, xq1, xc1, dx1, dxs1, xq2, xc2, dx2, dxs2, out):
+                n = raw.shape[0]
+                for r0 in range(0, n, 4):
+                    v = one(raw, FP16_TO_FP32, xq1, xc1, dx1, dxs1, 0, r0, n)
+                    w = two(raw, FP16_TO_FP32, xq2, xc2, dx2, dxs2, 0, r0, n)
+                    for i in range(min(4, n - r0)):
+                        out[0, r0 + i], out[1, r0 + i], out[2, r0 + i] = v[i], w[2 * i], w[2 * i + 1]
+
+            got = np.empty((3, n_out), np.float32)
+            run(raw, *prepared[1], *prepared[2], got)
+            monkeypatch.undo()
+            np.testing.assert_array_equal(got.view(np.int32), ref.view(np.int32), err_msg=f"{vnni} {avx2} {n_in}")

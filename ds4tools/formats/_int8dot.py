@@ -40,7 +40,7 @@ from ._llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as 
                        as_i64 as _as_i64, const as _const, host_features,
                        intrinsic_fn as _intrinsic_fn, load as _load, loop as _loop, mask as _mask,
                        pick as _pick,
-                       lookup16, row_ptr as _row_ptr, splat_const as _splat,
+                       lookup16, row_ptr as _row_ptr, splat, splat_const as _splat,
                        vconst as _vconst)
 
 #: blocks per group: lanes of the int and float accumulators; rows are padded with zero
@@ -252,11 +252,68 @@ def _transpose_words(builder, rows):
     return out
 
 
-def _make_unpack(kind):
+def _emit_unpack_group(context, builder, kind, rp, lutp, g, nvalid=None):
+    """IR for group g (i64) of the raw row at rp (i8*) of ``kind`` (UNPACK_LAYOUTS): its 8
+    chunks (<16 x i32>, unsigned quants in the group layout), the 16 scales dw (<16 x float>)
+    and offsets m (or None). ``nvalid`` (i64, or None: all 16): only blocks 0..nvalid-1 exist;
+    the lanes of the others repeat block nvalid - 1 (no read past the row's last block)."""
     ts, qoff, qhoff, offset, has_m = UNPACK_LAYOUTS[kind]
     table = [v + offset for v in IQ4_NL_LEVELS] if kind == 5 else None
     wide = ts - qoff == 32  # Q8_0: 32 bytes per block, else 16 nibble bytes
+    v4i32, v16i32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 16)
+    v16f = ir.VectorType(_F32, 16)
 
+    def fp16(off):
+        bits = builder.zext(_load(builder, rp, off, _I16), _I64)
+        return builder.load(builder.gep(lutp, [bits]))
+
+    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
+    if nvalid is None:
+        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
+    else:
+        lastb = builder.sub(nvalid, _const(1))
+        offs = [builder.add(go, builder.mul(
+            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
+            _const(ts))) for i in range(GROUP_BLOCKS)]
+    dw = ir.Constant(v16f, None)
+    m = ir.Constant(v16f, None) if has_m else None
+    for i in range(GROUP_BLOCKS):
+        dw = builder.insert_element(dw, fp16(offs[i]), ir.Constant(_I32, i))
+        if has_m:
+            m = builder.insert_element(m, fp16(builder.add(offs[i], _const(2))),
+                                       ir.Constant(_I32, i))
+    chunks = [None] * GROUP_CHUNKS
+    for h in range(2 if wide else 1):  # Q8_0: 8 words per block
+        rows = [_load(builder, rp, builder.add(offs[i], _const(qoff + 16 * h)), v4i32)
+                for i in range(GROUP_BLOCKS)]
+        for c, t in enumerate(_transpose_words(builder, rows)):
+            if wide:  # signed byte -> byte + 128
+                chunks[4 * h + c] = builder.xor(t, _splat(0x80808080, _I32))
+            else:  # nibbles: word c holds values 4c.. (low) and 16 + 4c.. (high)
+                chunks[c] = builder.and_(t, _splat(0x0F0F0F0F, _I32))
+                chunks[4 + c] = builder.and_(builder.lshr(t, _splat(4, _I32)),
+                                             _splat(0x0F0F0F0F, _I32))
+    if qhoff >= 0:  # bit j of a block's qh is bit 4 of its value j
+        qh = ir.Constant(v16i32, None)
+        for i in range(GROUP_BLOCKS):
+            qh = builder.insert_element(
+                qh, _load(builder, rp, builder.add(offs[i], _const(qhoff)), _I32),
+                ir.Constant(_I32, i))
+        for c in range(GROUP_CHUNKS):
+            nib = builder.and_(builder.lshr(qh, _splat(4 * c, _I32)), _splat(15, _I32))
+            # bits 0..3 to bit 0 of bytes 0..3, then to bit 4
+            spread = builder.and_(builder.mul(nib, _splat(0x00204081, _I32)),
+                                  _splat(0x01010101, _I32))
+            chunks[c] = builder.or_(chunks[c], builder.shl(spread, _splat(4, _I32)))
+    if table is not None:  # IQ4_NL: the nibbles index its levels (+ 128)
+        feats = host_features(context)
+        for c in range(GROUP_CHUNKS):
+            idx = builder.bitcast(chunks[c], ir.VectorType(_I8, 64))
+            chunks[c] = builder.bitcast(lookup16(builder, feats, table, idx), v16i32)
+    return chunks, dw, m
+
+
+def _make_unpack(kind):
     @intrinsic
     def unpack(typingctx, rr, lut, u, dw, m, ngroups):
         """Groups 0..ngroups-1 (16 blocks each) of one raw row rr (uint8) -> unsigned quants u
@@ -267,49 +324,15 @@ def _make_unpack(kind):
         def codegen(context, builder, sig, args):
             rp, lutp, up, dwp, mp = [context.make_array(sig.args[i])(context, builder, args[i]).data
                                      for i in range(5)]
-            v4i32, v16i32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 16)
-
-            def fp16(off):
-                bits = builder.zext(_load(builder, rp, off, _I16), _I64)
-                return builder.load(builder.gep(lutp, [bits]))
+            v16i32, v16f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
             def body(g, _):
+                chunks, dwv, mv = _emit_unpack_group(context, builder, kind, rp, lutp, g)
                 gb = builder.mul(g, _const(GROUP_BLOCKS))
-                go = builder.mul(g, _const(GROUP_BLOCKS * ts))
-                offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
-                for i in range(GROUP_BLOCKS):
-                    bi = builder.add(gb, _const(i))
-                    builder.store(fp16(offs[i]), builder.gep(dwp, [bi]))
-                    if has_m:
-                        builder.store(fp16(builder.add(offs[i], _const(2))), builder.gep(mp, [bi]))
-                chunks = [None] * GROUP_CHUNKS
-                for h in range(2 if wide else 1):  # Q8_0: 8 words per block
-                    rows = [_load(builder, rp, builder.add(offs[i], _const(qoff + 16 * h)), v4i32)
-                            for i in range(GROUP_BLOCKS)]
-                    for c, t in enumerate(_transpose_words(builder, rows)):
-                        if wide:  # signed byte -> byte + 128
-                            chunks[4 * h + c] = builder.xor(t, _splat(0x80808080, _I32))
-                        else:  # nibbles: word c holds values 4c.. (low) and 16 + 4c.. (high)
-                            chunks[c] = builder.and_(t, _splat(0x0F0F0F0F, _I32))
-                            chunks[4 + c] = builder.and_(builder.lshr(t, _splat(4, _I32)),
-                                                         _splat(0x0F0F0F0F, _I32))
-                if qhoff >= 0:  # bit j of a block's qh is bit 4 of its value j
-                    qh = ir.Constant(v16i32, None)
-                    for i in range(GROUP_BLOCKS):
-                        qh = builder.insert_element(
-                            qh, _load(builder, rp, builder.add(offs[i], _const(qhoff)), _I32),
-                            ir.Constant(_I32, i))
-                    for c in range(GROUP_CHUNKS):
-                        nib = builder.and_(builder.lshr(qh, _splat(4 * c, _I32)), _splat(15, _I32))
-                        # bits 0..3 to bit 0 of bytes 0..3, then to bit 4
-                        spread = builder.and_(builder.mul(nib, _splat(0x00204081, _I32)),
-                                              _splat(0x01010101, _I32))
-                        chunks[c] = builder.or_(chunks[c], builder.shl(spread, _splat(4, _I32)))
-                if table is not None:  # IQ4_NL: the nibbles index its levels (+ 128)
-                    feats = host_features(context)
-                    for c in range(GROUP_CHUNKS):
-                        idx = builder.bitcast(chunks[c], ir.VectorType(_I8, 64))
-                        chunks[c] = builder.bitcast(lookup16(builder, feats, table, idx), v16i32)
+                for ptr, v in ((dwp, dwv), (mp, mv)):
+                    if v is not None:
+                        builder.store(v, builder.bitcast(builder.gep(ptr, [gb]), v16f.as_pointer()),
+                                      align=4)
                 base = builder.mul(g, _const(GROUP_BYTES))
                 for c in range(GROUP_CHUNKS):
                     q = builder.bitcast(builder.gep(up, [builder.add(base, _const(64 * c))]),
@@ -328,6 +351,226 @@ def _make_unpack(kind):
 #: one per kind of UNPACK_LAYOUTS: (rr, lut, u, dw, m, ngroups)
 UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1, UNPACK_Q8_0, UNPACK_IQ4_NL = (
     _make_unpack(k) for k in range(6))
+
+
+def _pair_sums(builder, a, b):
+    """<16 x i32>: lanes 0..7 the sums of a's lane pairs (2j, 2j + 1), lanes 8..15 b's."""
+    return builder.add(builder.shuffle_vector(a, b, _mask(range(0, 32, 2))),
+                       builder.shuffle_vector(a, b, _mask(range(1, 32, 2))))
+
+
+def _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv):
+    """Q8_0's group g of the raw row at rp dotted with activations in their natural order
+    (xv: per token the 8 <64 x i8> of the group, blocks 2v, 2v + 1 in vector v), without
+    the group layout's transpose: per vector v the two blocks' quants (two 32-byte loads)
+    + 128, one chunk dot (8 lanes per block), then 3 levels of pair sums put block i's exact
+    sum in lane i. Returns ([<16 x i32> per token], dw)."""
+    ts = 34
+    v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+    v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
+    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
+    if nvalid is None:
+        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
+    else:
+        lastb = builder.sub(nvalid, _const(1))
+        offs = [builder.add(go, builder.mul(
+            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
+            _const(ts))) for i in range(GROUP_BLOCKS)]
+    dw = ir.Constant(v16f, None)
+    for i in range(GROUP_BLOCKS):
+        bits = builder.zext(_load(builder, rp, offs[i], _I16), _I64)
+        dw = builder.insert_element(dw, builder.load(builder.gep(lutp, [bits])),
+                                    ir.Constant(_I32, i))
+    zero = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+    parts = [[] for _ in xv]
+    for v in range(GROUP_CHUNKS):
+        lo = _load(builder, rp, builder.add(offs[2 * v], _const(2)), v8i32)
+        hi = _load(builder, rp, builder.add(offs[2 * v + 1], _const(2)), v8i32)
+        u = builder.xor(builder.shuffle_vector(lo, hi, _mask(range(16))),
+                        _splat(0x80808080, _I32))
+        u = builder.bitcast(u, v64i8)
+        for t, x in enumerate(xv):
+            parts[t].append(_dot_chunk(builder, zero, u, x[v], route))
+    sums = []
+    for p in parts:
+        while len(p) > 1:
+            p = [_pair_sums(builder, a, b) for a, b in zip(p[::2], p[1::2])]
+        sums.append(p[0])
+    return sums, dw
+
+
+def _emit_nibbles_quad(context, builder, route, kind, rp, lutp, g, nvalid, xv):
+    """Q4_0, Q4_1 or IQ4_NL's group g of the raw row at rp dotted with activations in the
+    quad order (xv: per token the 8 <64 x i8> of the group; vector 2a + h holds, per 16-byte
+    lane j, values 16h..16h+15 of block 4a + j) without the group layout's transpose: per 4
+    blocks one vector of their nibble bytes (four 16-byte loads), its low and high nibbles
+    dotted (4 lanes per block), then 2 levels of pair sums put block i's exact sum in lane i.
+    Returns ([<16 x i32> per token], dw, m or None)."""
+    ts, qoff, _, offset, has_m = UNPACK_LAYOUTS[kind]
+    table = [v + offset for v in IQ4_NL_LEVELS] if kind == 5 else None
+    v4i32, v16i32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 16)
+    v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
+    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
+    if nvalid is None:
+        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
+    else:
+        lastb = builder.sub(nvalid, _const(1))
+        offs = [builder.add(go, builder.mul(
+            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
+            _const(ts))) for i in range(GROUP_BLOCKS)]
+
+    def fp16(off):
+        bits = builder.zext(_load(builder, rp, off, _I16), _I64)
+        return builder.load(builder.gep(lutp, [bits]))
+
+    dw = ir.Constant(v16f, None)
+    m = ir.Constant(v16f, None) if has_m else None
+    for i in range(GROUP_BLOCKS):
+        dw = builder.insert_element(dw, fp16(offs[i]), ir.Constant(_I32, i))
+        if has_m:
+            m = builder.insert_element(m, fp16(builder.add(offs[i], _const(2))),
+                                       ir.Constant(_I32, i))
+    feats = host_features(context) if table is not None else None
+    zero = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+    parts = [[] for _ in xv]
+    for a in range(4):
+        q = [_load(builder, rp, builder.add(offs[4 * a + j], _const(qoff)), v4i32)
+             for j in range(4)]
+        q = builder.shuffle_vector(builder.shuffle_vector(q[0], q[1], _mask(range(8))),
+                                   builder.shuffle_vector(q[2], q[3], _mask(range(8))),
+                                   _mask(range(16)))
+        halves = [builder.and_(q, _splat(0x0F0F0F0F, _I32)),
+                  builder.and_(builder.lshr(q, _splat(4, _I32)), _splat(0x0F0F0F0F, _I32))]
+        halves = [builder.bitcast(h, v64i8) for h in halves]
+        if table is not None:
+            halves = [lookup16(builder, feats, table, h) for h in halves]
+        for t, x in enumerate(xv):
+            acc = _dot_chunk(builder, zero, halves[0], x[2 * a], route)
+            parts[t].append(_dot_chunk(builder, acc, halves[1], x[2 * a + 1], route))
+    sums = []
+    for p in parts:
+        while len(p) > 1:
+            p = [_pair_sums(builder, a, b) for a, b in zip(p[::2], p[1::2])]
+        sums.append(p[0])
+    return sums, dw, m
+
+
+#: kinds whose fused kernels read the activations in the natural order (Q8_0) or in the quad
+#: order (Q4_0, Q4_1, IQ4_NL; see _emit_nibbles_quad); the others (Q5_0, Q5_1) in the group
+#: layout, as the tiles
+FUSED_NATURAL = (4,)
+FUSED_QUAD = (0, 1, 5)
+
+
+def _make_fused(kind, n_rows, n_toks):
+    ts = UNPACK_LAYOUTS[kind][0]
+    affine = UNPACK_LAYOUTS[kind][4]
+    small = kind < 4
+
+    @intrinsic
+    def fused(typingctx, raw, lut, x, xcorr, dx, dxs, tok, row, n_out):
+        """Dots of tokens tok..tok+T-1 of (x, xcorr, dx, dxs) (as for the tiles) with weight
+        rows row..row+R-1 (each clamped to n_out - 1) of raw (uint8 (rows, row bytes)),
+        unpacked group by group in registers (no scratch; a last partial group's missing
+        lanes are left out, not zero-padded): R * T float32, rows outer, bit-identical to
+        the tiles' results."""
+        sig = types.UniTuple(types.float32, n_rows * n_toks)(raw, lut, x, xcorr, dx, dxs, tok,
+                                                              row, n_out)
+
+        def codegen(context, builder, sig, args):
+            v64i8, v16i32, v16f = (ir.VectorType(_I8, 64), ir.VectorType(_I32, 16),
+                                   ir.VectorType(_F32, 16))
+            route = _route(context, small)
+            t0, r0, n = (_as_i64(builder, v) for v in args[6:9])
+            lutp = context.make_array(sig.args[1])(context, builder, args[1]).data
+            ra = context.make_array(sig.args[0])(context, builder, args[0])
+            nb = builder.udiv(builder.extract_value(ra.shape, 1), _const(ts))
+            nfull = builder.udiv(nb, _const(GROUP_BLOCKS))
+            rem = builder.urem(nb, _const(GROUP_BLOCKS))
+            last = builder.sub(n, _const(1))
+            rps = []
+            for i in range(n_rows):
+                r = builder.add(r0, _const(i))
+                r = builder.select(builder.icmp_signed("<", r, last), r, last)
+                rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a],
+                                   builder.add(t0, _const(t))) for a in (2, 3, 4, 5))
+                    for t in range(n_toks)]
+            zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
+
+            def group(g, accs, nvalid):
+                base = builder.mul(g, _const(GROUP_BYTES))
+                gb = builder.mul(g, _const(GROUP_BLOCKS))
+                xv = [[_load(builder, tp[0], builder.add(base, _const(64 * c)), v64i8)
+                       for c in range(GROUP_CHUNKS)] for tp in toks]
+                dxv = [_load(builder, tp[2], gb, v16f, 4) for tp in toks]
+                if affine:
+                    dxsv = [_load(builder, tp[3], gb, v16f, 4) for tp in toks]
+                else:
+                    corr = [_load(builder, tp[1], gb, v16i32, 4) for tp in toks]
+                out = []
+                for i, rp in enumerate(rps):
+                    if kind == 4:
+                        isums, dwv = _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv)
+                    elif kind in FUSED_QUAD:
+                        isums, dwv, mv = _emit_nibbles_quad(context, builder, route, kind, rp,
+                                                            lutp, g, nvalid, xv)
+                    else:
+                        chunks, dwv, mv = _emit_unpack_group(context, builder, kind, rp, lutp,
+                                                             g, nvalid)
+                        uv = [builder.bitcast(ch, v64i8) for ch in chunks]
+                    for t in range(n_toks):
+                        if kind == 4 or kind in FUSED_QUAD:
+                            isum = isums[t]
+                        else:
+                            isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+                            for c in range(GROUP_CHUNKS):
+                                isum = _dot_chunk(builder, isum, uv[c], xv[t][c], route)
+                        s_ = isum if affine else builder.sub(isum, corr[t])
+                        scale = builder.fmul(dwv, dxv[t])
+                        acc = accs[i * n_toks + t]
+                        acc = builder.fadd(acc, builder.fmul(builder.sitofp(s_, v16f), scale))
+                        if affine:
+                            acc = builder.fadd(acc, builder.fmul(mv, dxsv[t]))
+                        out.append(acc)
+                return out
+
+            accs = _loop(builder, nfull, [(v16f, zero)] * (n_rows * n_toks),
+                         lambda g, a: group(g, a, None), "fused")
+            pre = builder.block
+            with builder.if_then(builder.icmp_signed(">", rem, _const(0))):
+                new = group(nfull, accs, rem)
+                keep = builder.icmp_signed("<", _vconst(range(16), _I32),
+                                           splat(builder, builder.trunc(rem, _I32), 16))
+                new = [builder.select(keep, a1, a0) for a0, a1 in zip(accs, new)]
+                tail_end = builder.block
+            phis = []
+            for a0, a1 in zip(accs, new):
+                p = builder.phi(v16f)
+                p.add_incoming(a0, pre)
+                p.add_incoming(a1, tail_end)
+                phis.append(p)
+            res = []
+            for h in phis:
+                for width in (8, 4, 2):
+                    h = builder.fadd(builder.shuffle_vector(h, h, _mask(range(width))),
+                                     builder.shuffle_vector(h, h, _mask(range(width, 2 * width))))
+                res.append(builder.fadd(builder.extract_element(h, ir.Constant(_I32, 0)),
+                                        builder.extract_element(h, ir.Constant(_I32, 1))))
+            return context.make_tuple(builder, sig.return_type, res)
+
+        return sig, codegen
+
+    return fused
+
+
+#: rows per fused call (FUSED1_*: FUSED_ROWS rows x 1 token, FUSED2_*: x 2 tokens), one per
+#: kind of UNPACK_LAYOUTS: (raw, lut, x, xcorr, dx, dxs, tok, row, n_out) -> R * T float32
+FUSED_ROWS = 4
+FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0, FUSED1_Q5_1, FUSED1_Q8_0, FUSED1_IQ4_NL = (
+    _make_fused(k, FUSED_ROWS, 1) for k in range(6))
+FUSED2_Q4_0, FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED2_IQ4_NL = (
+    _make_fused(k, FUSED_ROWS, 2) for k in range(6))
 
 
 @intrinsic

@@ -24,6 +24,9 @@ from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_f
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
                        DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
+                       FUSED1_IQ4_NL, FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0, FUSED1_Q5_1,
+                       FUSED1_Q8_0, FUSED2_IQ4_NL, FUSED2_Q4_0, FUSED2_Q4_1, FUSED2_Q5_0,
+                       FUSED2_Q5_1, FUSED2_Q8_0, FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
                        UNPACK_Q8_0, WEIGHT_OFFSET)
@@ -142,6 +145,12 @@ KIND_IQ4_NL = 5
 #: (measured on 1024-row matrices, 1 thread: int8 / f32 time at k=1 is 1.4-2.3 for rows of
 #: 512-768, 1.06 at 1024, 0.8 at 2048; at k=8 0.9-1.1, 0.5, 0.45)
 INT8_MIN_ROW = 2 * GROUP_BLOCKS * QK
+#: with the fused k <= 2 kernels (no scratch, no padded work) int8 wins at k=1 from rows of
+#: 256 (1024-row matrices, 1 thread, int8 / f32 time at k=1, n_in 64 128 256 384 512 768 1024
+#: 1536 2048: Q8_0 1.44 1.10 0.55 0.39 0.30 0.36 0.29 0.29 0.37; Q4_0 1.35 1.08 0.62 0.42 0.32
+#: 0.40 0.31 0.32 0.35): the formats of this file and IQ4_NL use it (IQ2_XXS, not fused,
+#: keeps INT8_MIN_ROW)
+INT8_MIN_ROW_FUSED = 8 * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 
@@ -200,6 +209,38 @@ def _prep_act_q8(q, d, sums, offset, xq, xcorr, dx, dxs):
             dxs[t, b] = d[t, b] * np.float32(sums[t, b])
 
 
+@njit(cache=True)
+def _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == _Q8_KIND_Q8_0:
+        return FUSED1_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 0:
+        return FUSED1_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED1_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED1_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED1_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    return FUSED1_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+
+
+@njit(cache=True)
+def _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == _Q8_KIND_Q8_0:
+        return FUSED2_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 0:
+        return FUSED2_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED2_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED2_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED2_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    return FUSED2_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     """out[t, r] = the int8-activation dot of weight row r (raw blocks of ``kind``) and
@@ -207,11 +248,34 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     itself), each pair unpacked once, then dotted with the tokens two at a time (an odd last
     token alone) by _int8dot's tiles, which give bit-identical results for a (row, token)
     whatever tile computes it. Long rows go in runs of _Q8_RUN_GROUPS groups, all tokens per
-    run, so a run of weights and activations stays in L1 (the float accumulators carry over)."""
+    run, so a run of weights and activations stays in L1 (the float accumulators carry over).
+    One or two tokens (not IQ2_XXS) take _int8dot's fused kernels instead: FUSED_ROWS rows at
+    a time unpacked in registers, no scratch; for Q8_0 those read xq in the natural order
+    (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in _int8dot's quad
+    order (matmul_q8_tiles prepares them), not the group layout."""
     n_out = raw.shape[0]
     k, n_pad = xq.shape
     nb_pad = n_pad // QK
     ng = nb_pad // GROUP_BLOCKS
+    if k == 0:
+        return
+    if k <= 2 and kind != KIND_IQ2_XXS:  # rows unpacked in registers, no scratch (same bits)
+        R = FUSED_ROWS
+        n_tiles = (n_out + R - 1) // R
+        per_task = _Q8_ROWS_PER_TASK // R
+        for c in prange((n_tiles + per_task - 1) // per_task):
+            for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
+                r0 = R * tile
+                if k == 1:
+                    v = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(min(R, n_out - r0)):
+                        out[0, r0 + i] = v[i]
+                else:
+                    v = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(min(R, n_out - r0)):
+                        out[0, r0 + i] = v[2 * i]
+                        out[1, r0 + i] = v[2 * i + 1]
+        return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
     for c in prange((n_pairs + pairs - 1) // pairs):
@@ -268,6 +332,13 @@ def matmul_q8_tiles(kind, raw, act, out):
     dx = np.empty((k, nb_pad), np.float32)
     dxs = np.empty((k, nb_pad), np.float32)
     _prep_act_q8(act.q, d, sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
+    if k <= 2 and kind in FUSED_NATURAL:  # the fused kernel reads the natural order
+        xq[:, :] = 0
+        xq[:, :n] = act.q
+    elif k <= 2 and kind in FUSED_QUAD:  # ... or the quad order (see _int8dot)
+        xn = np.zeros((k, nb_pad * QK), np.int8)
+        xn[:, :n] = act.q
+        xq[:, :] = xn.reshape(k, -1, 4, 4, 2, 16).transpose(0, 1, 2, 4, 3, 5).reshape(k, -1)
     _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
 
 
@@ -276,7 +347,7 @@ class Q8_0(QuantFormat):
     name, ggml_type, block_size, type_size = "Q8_0", T.Q8_0, 32, 34
     uses_imatrix = False  # ggml's quantize_q8_0 ignores importance weights
     act_type = "Q8_0"
-    int8_min_row = INT8_MIN_ROW
+    int8_min_row = INT8_MIN_ROW_FUSED
     q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
@@ -689,7 +760,7 @@ class _Legacy32(QuantFormat):
     block_size = QK
     uses_imatrix = True
     act_type = "Q8_0"
-    int8_min_row = INT8_MIN_ROW
+    int8_min_row = INT8_MIN_ROW_FUSED
     q8_kernel = _matmul_q8
 
     @property
