@@ -7,6 +7,10 @@ and stores at an element offset, the data pointer of a numba array (or of one of
 counted loop with phis, the host CPU's features (what numba compiles for), the x86 intrinsic
 declarations, a fixed-order float reduction, and the bit-cast intrinsics (``f32_from_bits``,
 ``float32_bits``, ``store_le``).
+
+numba's on-disk cache (``cache=True``) checks only the source file of the kernel that calls an
+intrinsic, not the module that generates it: after editing this module, ``_int8dot``, ``_simd``
+or ``_block32``, delete ``ds4tools/formats/__pycache__`` or the old machine code keeps running.
 """
 from llvmlite import ir
 from numba import types
