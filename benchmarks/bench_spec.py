@@ -24,7 +24,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 
 FLOORS = {  # issue #7: on the demo; (greedy, T=1) speedup floors where the issue sets one
     "dspark": (2.0, 1.5),
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
         for name in names:
             cfg = table[name]
             if cfg is None:
-                engine.speculative, engine.drafter = None, None
+                engine.spec, engine.drafter = None, None
             else:
                 cfg = type(cfg)(**{k: files.get(v, v) if isinstance(v, str) else v
                                    for k, v in cfg.__dict__.items()})

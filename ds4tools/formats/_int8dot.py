@@ -252,6 +252,39 @@ def _transpose_words(builder, rows):
     return out
 
 
+def _block_offsets(builder, g, ts, nvalid):
+    """Byte offsets (i64) of the 16 blocks of group g (i64) in a raw row of ``ts``-byte blocks.
+    ``nvalid`` (i64, or None: all 16): only blocks 0..nvalid-1 exist; the others repeat block
+    nvalid - 1, so nothing is read past the row's last block."""
+    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
+    if nvalid is None:
+        return [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
+    lastb = builder.sub(nvalid, _const(1))
+    return [builder.add(go, builder.mul(
+        builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
+        _const(ts))) for i in range(GROUP_BLOCKS)]
+
+
+def _fp16_at(builder, rp, lutp, off):
+    """The fp16 at byte ``off`` of the row at rp, as float32 through the FP16_TO_FP32 table."""
+    bits = builder.zext(_load(builder, rp, off, _I16), _I64)
+    return builder.load(builder.gep(lutp, [bits]))
+
+
+def _block_scales(builder, rp, lutp, offs, has_m):
+    """<16 x float> of the blocks' fp16 scales d (at each block's start) and, with ``has_m``,
+    of their offsets m (the next fp16; else None)."""
+    v16f = ir.VectorType(_F32, 16)
+    dw = ir.Constant(v16f, None)
+    m = ir.Constant(v16f, None) if has_m else None
+    for i in range(GROUP_BLOCKS):
+        dw = builder.insert_element(dw, _fp16_at(builder, rp, lutp, offs[i]), ir.Constant(_I32, i))
+        if has_m:
+            m = builder.insert_element(m, _fp16_at(builder, rp, lutp, builder.add(offs[i], _const(2))),
+                                       ir.Constant(_I32, i))
+    return dw, m
+
+
 def _emit_unpack_group(context, builder, kind, rp, lutp, g, nvalid=None):
     """IR for group g (i64) of the raw row at rp (i8*) of ``kind`` (UNPACK_LAYOUTS): its 8
     chunks (<16 x i32>, unsigned quants in the group layout), the 16 scales dw (<16 x float>)
@@ -261,27 +294,8 @@ def _emit_unpack_group(context, builder, kind, rp, lutp, g, nvalid=None):
     table = [v + offset for v in IQ4_NL_LEVELS] if kind == 5 else None
     wide = ts - qoff == 32  # Q8_0: 32 bytes per block, else 16 nibble bytes
     v4i32, v16i32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 16)
-    v16f = ir.VectorType(_F32, 16)
-
-    def fp16(off):
-        bits = builder.zext(_load(builder, rp, off, _I16), _I64)
-        return builder.load(builder.gep(lutp, [bits]))
-
-    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
-    if nvalid is None:
-        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
-    else:
-        lastb = builder.sub(nvalid, _const(1))
-        offs = [builder.add(go, builder.mul(
-            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
-            _const(ts))) for i in range(GROUP_BLOCKS)]
-    dw = ir.Constant(v16f, None)
-    m = ir.Constant(v16f, None) if has_m else None
-    for i in range(GROUP_BLOCKS):
-        dw = builder.insert_element(dw, fp16(offs[i]), ir.Constant(_I32, i))
-        if has_m:
-            m = builder.insert_element(m, fp16(builder.add(offs[i], _const(2))),
-                                       ir.Constant(_I32, i))
+    offs = _block_offsets(builder, g, ts, nvalid)
+    dw, m = _block_scales(builder, rp, lutp, offs, has_m)
     chunks = [None] * GROUP_CHUNKS
     for h in range(2 if wide else 1):  # Q8_0: 8 words per block
         rows = [_load(builder, rp, builder.add(offs[i], _const(qoff + 16 * h)), v4i32)
@@ -367,20 +381,9 @@ def _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv):
     sum in lane i. Returns ([<16 x i32> per token], dw)."""
     ts = 34
     v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
-    v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
-    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
-    if nvalid is None:
-        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
-    else:
-        lastb = builder.sub(nvalid, _const(1))
-        offs = [builder.add(go, builder.mul(
-            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
-            _const(ts))) for i in range(GROUP_BLOCKS)]
-    dw = ir.Constant(v16f, None)
-    for i in range(GROUP_BLOCKS):
-        bits = builder.zext(_load(builder, rp, offs[i], _I16), _I64)
-        dw = builder.insert_element(dw, builder.load(builder.gep(lutp, [bits])),
-                                    ir.Constant(_I32, i))
+    v64i8 = ir.VectorType(_I8, 64)
+    offs = _block_offsets(builder, g, ts, nvalid)
+    dw, _ = _block_scales(builder, rp, lutp, offs, False)
     zero = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
     parts = [[] for _ in xv]
     for v in range(GROUP_CHUNKS):
@@ -409,27 +412,10 @@ def _emit_nibbles_quad(context, builder, route, kind, rp, lutp, g, nvalid, xv):
     ts, qoff, _, offset, has_m = UNPACK_LAYOUTS[kind]
     table = [v + offset for v in IQ4_NL_LEVELS] if kind == 5 else None
     v4i32, v16i32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 16)
-    v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
-    go = builder.mul(g, _const(GROUP_BLOCKS * ts))
-    if nvalid is None:
-        offs = [builder.add(go, _const(i * ts)) for i in range(GROUP_BLOCKS)]
-    else:
-        lastb = builder.sub(nvalid, _const(1))
-        offs = [builder.add(go, builder.mul(
-            builder.select(builder.icmp_signed("<", _const(i), nvalid), _const(i), lastb),
-            _const(ts))) for i in range(GROUP_BLOCKS)]
+    v64i8 = ir.VectorType(_I8, 64)
+    offs = _block_offsets(builder, g, ts, nvalid)
 
-    def fp16(off):
-        bits = builder.zext(_load(builder, rp, off, _I16), _I64)
-        return builder.load(builder.gep(lutp, [bits]))
-
-    dw = ir.Constant(v16f, None)
-    m = ir.Constant(v16f, None) if has_m else None
-    for i in range(GROUP_BLOCKS):
-        dw = builder.insert_element(dw, fp16(offs[i]), ir.Constant(_I32, i))
-        if has_m:
-            m = builder.insert_element(m, fp16(builder.add(offs[i], _const(2))),
-                                       ir.Constant(_I32, i))
+    dw, m = _block_scales(builder, rp, lutp, offs, has_m)
     feats = host_features(context) if table is not None else None
     zero = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
     parts = [[] for _ in xv]
@@ -607,10 +593,6 @@ def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
         gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
                                [ptrs_t, _I32, ir.VectorType(ir.IntType(1), 16), v16i64])
         all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
-        def fp16(off):
-            bits = builder.zext(_load(builder, rp, off, _I16), _I64)
-            return builder.load(builder.gep(lutp, [bits]))
-
         def body(g, _):
             go = builder.mul(g, _const(132))
             words = [_load(builder, rp, builder.add(go, _const(66 * s + 2)), v16i32)
@@ -618,7 +600,7 @@ def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
             q0 = builder.shuffle_vector(words[0], words[1], _mask(range(0, 32, 2)))  # grid bytes
             q1 = builder.shuffle_vector(words[0], words[1], _mask(range(1, 32, 2)))  # signs, scale
             # scales: d * (2s + 1) * 0.125, d per super-block (lanes 0..7, 8..15)
-            ds = [fp16(builder.add(go, _const(66 * s))) for s in range(2)]
+            ds = [_fp16_at(builder, rp, lutp, builder.add(go, _const(66 * s))) for s in range(2)]
             dv = ir.Constant(v16f, None)
             for i in range(16):
                 dv = builder.insert_element(dv, ds[i // 8], ir.Constant(_I32, i))
@@ -757,7 +739,7 @@ DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
 # end. The same float sequence runs per (row, token) whatever the tile or fused kernel, the
 # integer route, k or the thread split.
 
-from ._llvm_ir import splat, tree_sum_f32  # noqa: E402
+from ._llvm_ir import tree_sum_f32  # noqa: E402
 
 #: sub-blocks (lanes) per K-quant group (= one super-block), its bytes and chunks
 KGROUP_LANES = 16
