@@ -219,3 +219,14 @@ def test_int8_integer_routes_bit_identical(name):
             out = np.empty((k, N_OUT), np.float32)
             run(raw, FP16_TO_FP32, xq, dx, dxs, run_groups, out)
             np.testing.assert_array_equal(out, ref, err_msg=f"vnni={vnni} avx2={avx2} run={run_groups}")
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_int8_matmul_long_batches_match_single_tokens(name):
+    # prefill batches span several of the kernel's token blocks (32 tokens) with a ragged end
+    w, raw, _ = _case(name, 512, 70)
+    x = np.random.default_rng(71).standard_normal((70, 512)).astype(np.float32)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)
+    for t in (0, 31, 32, 33, 63, 64, 69):
+        np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t], int8=True), full[t])
+    np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[30:67], int8=True), full[30:67])

@@ -228,3 +228,13 @@ def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, mo
             run(raw, *prepared[1], *prepared[2], got)
             monkeypatch.undo()
             np.testing.assert_array_equal(got.view(np.int32), ref.view(np.int32), err_msg=f"{vnni} {avx2} {n_in}")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_int8_matmul_long_batches_match_single_tokens(name):
+    # prefill batches span several of the kernel's token blocks (32 tokens) with a ragged end
+    w, raw, x = _case(name, 7, 32 * 40, 70, seed=8)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)
+    for t in (0, 31, 32, 33, 63, 64, 69):
+        np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t], int8=True), full[t])
+    np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[30:67], int8=True), full[30:67])

@@ -16,16 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from ._numeric import fp16_to_fp32, fp32_to_fp16, nearest_int, round_away
+from ._llvm_ir import f32_from_bits, float32_bits
+from ._numeric import FP16_TO_FP32
+from .floats import f32_bits_to_f16
 
 QK8_0 = 32
 QK_K = 256
 #: values per Q8_K partial sum (the K-quants' sub-block size)
 QK8_K_SUM = 16
 KINDS = ("Q8_0", "Q8_K")
-FLT_MAX = np.float32(3.4028234663852886e38)
 
 
 @dataclass(frozen=True)
@@ -44,73 +45,130 @@ class QuantizedActivations:
         return self.q.shape[0]
 
 
+_ABS_BITS = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)  # |x| bit patterns at or above it: infinities and NaN
+_ROUND_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23
+#: rows from which a call quantizes its rows in parallel (below, a parallel region costs more
+#: than it saves; either way every row runs the same row function)
+PARALLEL_ROWS = 8
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _round_away(v):
+    # C's roundf (half away from zero) in float32: the fraction v - trunc(v) is exact, so ties
+    # are seen exactly; the loops around it vectorize
+    t = np.trunc(v)
+    f = v - t
+    if f >= np.float32(0.5):
+        t += np.float32(1.0)
+    elif f <= np.float32(-0.5):
+        t -= np.float32(1.0)
+    return np.int32(t)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _nearest_int(v):
+    # ggml's nearest_int (round half to even, |v| < 2**22) through the float adder, as ggml does
+    return np.int32((float32_bits(v + _ROUND_MAGIC) & np.int32(0x007FFFFF)) - np.int32(0x00400000))
+
+
 @njit(cache=True, error_model="numpy")
-def quantize_q8_0(x, q, d, sums):
+def _q8_0_row(x, q, d, sums, lut):
+    # the largest |x| as the max of the bit patterns with the sign cleared (integer lanes;
+    # NaN and infinities sort above every finite value)
+    for b in range(x.shape[0] // QK8_0):
+        j0 = b * QK8_0
+        m = np.int32(0)
+        for j in range(j0, j0 + QK8_0):
+            m = max(m, np.int32(float32_bits(x[j]) & _ABS_BITS))
+        if m >= _INF_BITS:  # a NaN scale: the block's products stay NaN
+            d[b] = np.float32(np.nan)
+            q[j0:j0 + QK8_0] = 0
+            sums[b] = 0
+            continue
+        db = f32_from_bits(np.int32(m)) / np.float32(127.0)
+        inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+        d[b] = lut[f32_bits_to_f16(np.int64(float32_bits(db)))]
+        s = np.int32(0)
+        for j in range(j0, j0 + QK8_0):
+            v = _round_away(x[j] * inv)
+            q[j] = v
+            s += v
+        sums[b] = s
+
+
+@njit(cache=True, error_model="numpy")
+def _q8_k_row(x, q, d, sums):
+    n = x.shape[0]
+    for b in range(n // QK_K):
+        j0 = b * QK_K
+        m = np.int32(0)
+        for j in range(j0, j0 + QK_K):
+            m = max(m, np.int32(float32_bits(x[j]) & _ABS_BITS))
+        if m >= _INF_BITS or m == 0:  # NaN / Inf: a NaN scale; all zeros: a zero scale
+            d[b] = np.float32(np.nan) if m else np.float32(0.0)
+            q[j0:j0 + QK_K] = 0
+            continue
+        # ggml scales by the first value of largest magnitude: +amax or -amax, whichever
+        # comes first (two vectorizable index minima instead of a branchy scan)
+        neg = np.int32(m | np.int32(-2147483648))
+        first_pos = QK_K
+        first_neg = QK_K
+        for j in range(j0, j0 + QK_K):
+            bits = float32_bits(x[j])
+            first_pos = min(first_pos, j - j0 if bits == m else QK_K)
+            first_neg = min(first_neg, j - j0 if bits == neg else QK_K)
+        amax = f32_from_bits(np.int32(m))
+        iscale = np.float32(-127.0) / (amax if first_pos < first_neg else -amax)
+        for j in range(j0, j0 + QK_K):
+            q[j] = min(np.int32(127), _nearest_int(iscale * x[j]))
+        d[b] = np.float32(1.0) / iscale
+    for s in range(n // QK8_K_SUM):
+        acc = np.int32(0)
+        for j in range(s * QK8_K_SUM, (s + 1) * QK8_K_SUM):
+            acc += q[j]
+        sums[s] = acc
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_q8_0(x, q, d, sums, lut):
     """ggml's quantize_row_q8_0 (scale stored as fp16, so d is the fp16-rounded value; quants
-    from the unrounded one, rounded half away from zero) plus each block's quant sum."""
-    k, n = x.shape
-    for t in range(k):
-        for b in range(n // QK8_0):
-            amax = np.float32(0.0)
-            finite = True
-            for j in range(b * QK8_0, b * QK8_0 + QK8_0):
-                ax = abs(x[t, j])
-                amax = max(amax, ax)
-                finite &= ax <= FLT_MAX  # False for NaN and infinities
-            db = amax / np.float32(127.0)
-            inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
-            d[t, b] = fp16_to_fp32(fp32_to_fp16(db)) if finite else np.float32(np.nan)
-            s = 0
-            for j in range(b * QK8_0, b * QK8_0 + QK8_0):
-                v = round_away(x[t, j] * inv)
-                q[t, j] = v
-                s += v
-            sums[t, b] = s
+    from the unrounded one, rounded half away from zero) plus each block's quant sum. A block
+    holding NaN or an infinity gets a NaN scale (and zero quants)."""
+    for t in range(x.shape[0]):
+        _q8_0_row(x[t], q[t], d[t], sums[t], lut)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_q8_0_parallel(x, q, d, sums, lut):
+    """quantize_q8_0 with the rows split over the threads."""
+    for t in prange(x.shape[0]):
+        _q8_0_row(x[t], q[t], d[t], sums[t], lut)
 
 
 @njit(cache=True, error_model="numpy")
 def quantize_q8_k(x, q, d, sums):
     """ggml's quantize_row_q8_K: per 256 values iscale = -127 / (the value of largest
-    magnitude), quants nearest_int(iscale * x) capped at 127, d = 1 / iscale, sums of 16."""
-    k, n = x.shape
-    for t in range(k):
-        for b in range(n // QK_K):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            finite = True
-            for j in range(b * QK_K, (b + 1) * QK_K):
-                ax = abs(x[t, j])
-                if ax > amax:
-                    amax = ax
-                    vmax = x[t, j]
-                finite &= ax <= FLT_MAX
-            if not finite:
-                d[t, b] = np.float32(np.nan)
-                for j in range(b * QK_K, (b + 1) * QK_K):
-                    q[t, j] = 0
-            elif amax == 0:
-                d[t, b] = np.float32(0.0)
-                for j in range(b * QK_K, (b + 1) * QK_K):
-                    q[t, j] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for j in range(b * QK_K, (b + 1) * QK_K):
-                    q[t, j] = min(127, nearest_int(iscale * x[t, j]))
-                d[t, b] = np.float32(1.0) / iscale
-        for s in range(n // QK8_K_SUM):
-            acc = 0
-            for j in range(s * QK8_K_SUM, (s + 1) * QK8_K_SUM):
-                acc += q[t, j]
-            sums[t, s] = acc
+    magnitude), quants nearest_int(iscale * x) capped at 127, d = 1 / iscale, sums of 16. A
+    super-block holding NaN or an infinity gets a NaN scale (and zero quants)."""
+    for t in range(x.shape[0]):
+        _q8_k_row(x[t], q[t], d[t], sums[t])
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_q8_k_parallel(x, q, d, sums):
+    """quantize_q8_k with the rows split over the threads."""
+    for t in prange(x.shape[0]):
+        _q8_k_row(x[t], q[t], d[t], sums[t])
 
 
 def quantize_activations(x: np.ndarray, kind: str) -> QuantizedActivations:
     """Quantize float32 rows x (k, n), C-contiguous, to ``kind`` ("Q8_0" or "Q8_K")."""
     k, n = x.shape
     if kind == "Q8_0":
-        block, per_sum, fn = QK8_0, QK8_0, quantize_q8_0
+        block, per_sum = QK8_0, QK8_0
     elif kind == "Q8_K":
-        block, per_sum, fn = QK_K, QK8_K_SUM, quantize_q8_k
+        block, per_sum = QK_K, QK8_K_SUM
     else:
         raise ValueError(f"unknown activation type {kind!r} (use {', '.join(KINDS)})")
     if n % block:
@@ -118,5 +176,9 @@ def quantize_activations(x: np.ndarray, kind: str) -> QuantizedActivations:
     q = np.empty((k, n), np.int8)
     d = np.empty((k, n // block), np.float32)
     sums = np.empty((k, n // per_sum), np.int32)
-    fn(x, q, d, sums)
+    parallel = k >= PARALLEL_ROWS
+    if kind == "Q8_0":
+        (quantize_q8_0_parallel if parallel else quantize_q8_0)(x, q, d, sums, FP16_TO_FP32)
+    else:
+        (quantize_q8_k_parallel if parallel else quantize_q8_k)(x, q, d, sums)
     return QuantizedActivations(kind, q, d, sums)

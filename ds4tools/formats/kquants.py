@@ -702,13 +702,17 @@ def _matmul(kind, raw, lut, x, out):
 # sequence whatever the path below, k or the thread split (bit-identical results).
 # * k = 1, 2 (decode, 2-token drafts): FUSED_K1_* / FUSED_K2_* unpack 4 rows super-block by
 #   super-block in registers and dot them with the 1 or 2 tokens at once (no scratch).
-# * k >= 3: each row is unpacked once per call into a task's scratch, 4 rows and one run of
-#   super-blocks (_run_groups) at a time, then the K tiles (4 rows x 2 tokens, 4 x 1 for an odd
-#   last token) run over all the tokens, so the run's weights and activations stay in L1 / L2.
+# * k >= 3: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
+#   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
+#   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
+#   _QK_RUN_GROUPS super-blocks at a time (the run's unpacked weights stay in L1).
 # Rows go in fours (the last row repeated to fill a tile; its copies are not written).
 _QK_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
-_QK_RUN_BYTES = 65536  # activation bytes (all tokens) per run, at most: see _run_groups
-_QK_RUN_GROUPS = 16  # super-blocks per run, at most
+#: tokens per block and super-blocks per run (measured on 1024x2816 and 2816x1024 at k = 32,
+#: 128 and 512, 1 thread: blocks of 16-64 tokens and runs of 4-64 are within 5%; without token
+#: blocks, runs sized so all the tokens' activations fit 64 KiB lost 10-25% at k >= 128)
+_QK_TOKEN_BLOCK = 32
+_QK_RUN_GROUPS = 16
 
 
 @njit(cache=True)
@@ -772,10 +776,10 @@ def _fused_k2(kind, raw, lut, xq, dx, dxs, r0):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run):
+def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     """out[t, r] = the int8-activation dot of K-quant weight row r and activation row t (from
-    _prep_act_k): fused for k <= 2, else _int8dot's K tiles ``run`` super-blocks at a time
-    (see above)."""
+    _prep_act_k): fused for k <= 2, else _int8dot's K tiles on blocks of ``tb`` tokens,
+    ``run`` super-blocks at a time (see above)."""
     n_out = raw.shape[0]
     k, n_in = xq.shape
     nsb = n_in // QK_K
@@ -805,38 +809,32 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run):
         dw = np.empty((R, n_in // 16), np.float32)
         m = np.empty((R, n_in // 16), np.float32)
         corr = np.empty((R, n_in // 16), np.int32)
-        acc = np.empty((R * k, 16), np.float32)
+        acc = np.empty((R * tb, 16), np.float32)
         for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
             r0 = R * tile
-            acc[:, :] = 0
-            for g0 in range(0, nsb, run):
-                g1 = min(nsb, g0 + run)
-                for i in range(R):  # the run's super-blocks of the 4 rows (they stay in L1)
-                    _unpack_row_k(kind, raw[min(r0 + i, n_out - 1), g0 * ts:g1 * ts], lut,
-                                  w[i, g0 * QK_K:g1 * QK_K], dw[i, 16 * g0:16 * g1],
-                                  m[i, 16 * g0:16 * g1], corr[i, 16 * g0:16 * g1], g1 - g0)
-                for t in range(0, k - 1, 2):
-                    if affine:
-                        DOT_K_4x2_AFF(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
-                    else:
-                        DOT_K_4x2_SYM(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
-                if k % 2:
-                    if affine:
-                        DOT_K_4x1_AFF(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, k - 1)
-                    else:
-                        DOT_K_4x1_SYM(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, k - 1)
-            for i in range(min(R, n_out - r0)):
-                for t in range(k):
-                    out[t, r0 + i] = KSUM(acc, t * R + i)
-
-
-def _run_groups(kind, k):
-    """Super-blocks per run: at most _QK_RUN_GROUPS, and the run's activations of all k tokens
-    (256 quant bytes, and 64 of dx * bsum for the affine formats, per super-block and token)
-    within _QK_RUN_BYTES (measured: longer runs gain little, shorter ones lose to the tiles'
-    set-up per run)."""
-    per = max(k, 1) * (320 if K_AFFINE[kind] else 256)
-    return max(1, min(_QK_RUN_GROUPS, _QK_RUN_BYTES // per))
+            for i in range(R):  # the 4 rows, unpacked once for all the tokens
+                _unpack_row_k(kind, raw[min(r0 + i, n_out - 1)], lut, w[i], dw[i], m[i],
+                              corr[i], nsb)
+            for t0 in range(0, k, tb):
+                t1 = min(k, t0 + tb)
+                xb, dxb, dxsb = xq[t0:t1], dx[t0:t1], dxs[t0:t1]
+                kb = t1 - t0
+                acc[:R * kb, :] = 0
+                for g0 in range(0, nsb, run):
+                    g1 = min(nsb, g0 + run)
+                    for t in range(0, kb - 1, 2):
+                        if affine:
+                            DOT_K_4x2_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
+                        else:
+                            DOT_K_4x2_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
+                    if kb % 2:
+                        if affine:
+                            DOT_K_4x1_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                        else:
+                            DOT_K_4x1_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                for i in range(min(R, n_out - r0)):
+                    for t in range(kb):
+                        out[t0 + t, r0 + i] = KSUM(acc, t * R + i)
 
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
@@ -845,7 +843,7 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
     dx = np.empty((k, n // QK_K), np.float32)
     dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
     _prep_act_k(act.q, act.d, act.sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
-    _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _run_groups(kind, k))
+    _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK)
 
 
 class _KQuant(QuantFormat):

@@ -153,6 +153,7 @@ INT8_MIN_ROW = 2 * GROUP_BLOCKS * QK
 INT8_MIN_ROW_FUSED = 8 * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
+_Q8_TOKEN_BLOCK = 32  # tokens per block: see _matmul_q8
 
 
 @njit(cache=True)
@@ -247,8 +248,9 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     activation row t (from _prep_act_q8). Weight rows go in pairs (an odd last row paired with
     itself), each pair unpacked once, then dotted with the tokens two at a time (an odd last
     token alone) by _int8dot's tiles, which give bit-identical results for a (row, token)
-    whatever tile computes it. Long rows go in runs of _Q8_RUN_GROUPS groups, all tokens per
-    run, so a run of weights and activations stays in L1 (the float accumulators carry over).
+    whatever tile computes it. The tokens go in blocks of _Q8_TOKEN_BLOCK (their accumulators
+    stay in L1) and long rows in runs of _Q8_RUN_GROUPS groups, all the block's tokens per run,
+    so a run of weights and activations stays in L1 (the float accumulators carry over).
     One or two tokens (not IQ2_XXS) take _int8dot's fused kernels instead: FUSED_ROWS rows at
     a time unpacked in registers, no scratch; for Q8_0 those read xq in the natural order
     (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in _int8dot's quad
@@ -278,43 +280,49 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
         return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
+    tb = _Q8_TOKEN_BLOCK
     for c in prange((n_pairs + pairs - 1) // pairs):
         u = np.zeros((2, n_pad), np.uint8)
         dw = np.zeros((2, nb_pad), np.float32)
         m = np.zeros((2, nb_pad), np.float32)
         tail = np.zeros(GROUP_RAW_BYTES[kind], np.uint8)
-        acc = np.empty((2 * k, 16), np.float32)
+        acc = np.empty((2 * tb, 16), np.float32)
         for pair in range(c * pairs, min(n_pairs, c * pairs + pairs)):
             r0 = 2 * pair
             r1 = min(r0 + 1, n_out - 1)
             _unpack_row_q8(kind, raw[r0], lut, u[0], dw[0], m[0], tail)
             _unpack_row_q8(kind, raw[r1], lut, u[1], dw[1], m[1], tail)
-            acc[:, :] = 0
-            for g0 in range(0, ng, _Q8_RUN_GROUPS):
-                g1 = min(ng, g0 + _Q8_RUN_GROUPS)
-                for t in range(0, k - 1, 2):
-                    if kind >= _Q8_KIND_Q8_0:
-                        v00, v01, v10, v11 = DOT_2x2_Q8(u, dw, m, xq, xcorr, dx, dxs, acc,
-                                                        g0, g1, 0, t)
-                    elif kind == 0 or kind == 2:
-                        v00, v01, v10, v11 = DOT_2x2_SYM(u, dw, m, xq, xcorr, dx, dxs, acc,
-                                                         g0, g1, 0, t)
-                    else:
-                        v00, v01, v10, v11 = DOT_2x2_AFF(u, dw, m, xq, xcorr, dx, dxs, acc,
-                                                         g0, g1, 0, t)
-                    out[t, r0] = v00
-                    out[t + 1, r0] = v01
-                    out[t, r1] = v10
-                    out[t + 1, r1] = v11
-                if k % 2:
-                    if kind >= _Q8_KIND_Q8_0:
-                        v0, v1 = DOT_2x1_Q8(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
-                    elif kind == 0 or kind == 2:
-                        v0, v1 = DOT_2x1_SYM(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
-                    else:
-                        v0, v1 = DOT_2x1_AFF(u, dw, m, xq, xcorr, dx, dxs, acc, g0, g1, 0, k - 1)
-                    out[k - 1, r0] = v0
-                    out[k - 1, r1] = v1
+            for t0 in range(0, k, tb):
+                t1 = min(k, t0 + tb)
+                kb = t1 - t0
+                xb, xcb, dxb, dxsb = xq[t0:t1], xcorr[t0:t1], dx[t0:t1], dxs[t0:t1]
+                acc[:2 * kb, :] = 0
+                for g0 in range(0, ng, _Q8_RUN_GROUPS):
+                    g1 = min(ng, g0 + _Q8_RUN_GROUPS)
+                    for t in range(0, kb - 1, 2):
+                        if kind >= _Q8_KIND_Q8_0:
+                            v00, v01, v10, v11 = DOT_2x2_Q8(u, dw, m, xb, xcb, dxb, dxsb, acc,
+                                                            g0, g1, 0, t)
+                        elif kind == 0 or kind == 2:
+                            v00, v01, v10, v11 = DOT_2x2_SYM(u, dw, m, xb, xcb, dxb, dxsb, acc,
+                                                             g0, g1, 0, t)
+                        else:
+                            v00, v01, v10, v11 = DOT_2x2_AFF(u, dw, m, xb, xcb, dxb, dxsb, acc,
+                                                             g0, g1, 0, t)
+                        out[t0 + t, r0] = v00
+                        out[t0 + t + 1, r0] = v01
+                        out[t0 + t, r1] = v10
+                        out[t0 + t + 1, r1] = v11
+                    if kb % 2:
+                        t = kb - 1
+                        if kind >= _Q8_KIND_Q8_0:
+                            v0, v1 = DOT_2x1_Q8(u, dw, m, xb, xcb, dxb, dxsb, acc, g0, g1, 0, t)
+                        elif kind == 0 or kind == 2:
+                            v0, v1 = DOT_2x1_SYM(u, dw, m, xb, xcb, dxb, dxsb, acc, g0, g1, 0, t)
+                        else:
+                            v0, v1 = DOT_2x1_AFF(u, dw, m, xb, xcb, dxb, dxsb, acc, g0, g1, 0, t)
+                        out[t0 + t, r0] = v0
+                        out[t0 + t, r1] = v1
 
 
 def matmul_q8_tiles(kind, raw, act, out):
