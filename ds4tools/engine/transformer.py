@@ -28,6 +28,7 @@ from .weights import LayerWeights, ModelWeights, SharedInput
 
 #: rows per internal pass: long inputs (prefill) run in chunks of this many tokens
 DEFAULT_CHUNK = 32
+MAX_CHUNK = 512
 #: a model whose largest matrix is smaller than this runs on one thread: its kernels take less
 #: time than starting a parallel region (tiny demo model, 2 threads on loaded cores: 170 t/s
 #: against 540 t/s on one). The same compiled kernels run either way, so results are the same.
@@ -123,8 +124,8 @@ class Transformer:
                  cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
         if n_ctx <= 0:
             raise ValueError(f"context size must be positive, got {n_ctx}")
-        if not 1 <= chunk <= 32:
-            raise ValueError(f"chunk must be in 1..32, got {chunk}")
+        if not 1 <= chunk <= MAX_CHUNK:
+            raise ValueError(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
         self.hp = hp
         self.weights = weights
         self.n_ctx = n_ctx

@@ -700,9 +700,11 @@ def _matmul(kind, raw, lut, x, out):
 # and super-block: 4 vpdpbusd into 16 int32 lanes, acc = fma(float(isum [- corr]), dw * dx, acc)
 # [, acc = fma(m, dx * bsum, acc)], and a fixed tree over the lanes at the end: the same float
 # sequence whatever the path below, k or the thread split (bit-identical results).
-# * k = 1, 2 (decode, 2-token drafts): FUSED_K1_* / FUSED_K2_* unpack 4 rows super-block by
-#   super-block in registers and dot them with the 1 or 2 tokens at once (no scratch).
-# * k >= 3: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
+# * k <= 4 (decode, short drafts): FUSED_K2_* (then FUSED_K1_* for an odd last token) unpack
+#   4 rows super-block by super-block in registers and dot them with 2 tokens (1) at once, no
+#   scratch; the next pair finds the 4 rows in L1 (measured at k = 3, 4: 10-40% faster than the
+#   tiles; from k = 5 the tiles win).
+# * k >= 5: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
 #   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
 #   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
 #   _QK_RUN_GROUPS super-blocks at a time (the run's unpacked weights stay in L1).
@@ -712,6 +714,8 @@ _QK_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once pe
 #: 128 and 512, 1 thread: blocks of 16-64 tokens and runs of 4-64 are within 5%; without token
 #: blocks, runs sized so all the tokens' activations fit 64 KiB lost 10-25% at k >= 128)
 _QK_TOKEN_BLOCK = 32
+#: up to this many tokens the fused kernels run (see above)
+_QK_FUSED_TOKENS = 4
 _QK_RUN_GROUPS = 16
 
 
@@ -748,31 +752,31 @@ def _prep_act_k(q, d, sums, shift, xq, dx, dxs):
 
 
 @njit(cache=True)
-def _fused_k1(kind, raw, lut, xq, dx, dxs, r0):
+def _fused_k1(kind, raw, lut, xq, dx, dxs, tok, r0):
     n = raw.shape[0]
     if kind == 0:
-        return FUSED_K1_Q2_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K1_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 1:
-        return FUSED_K1_Q3_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K1_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 2:
-        return FUSED_K1_Q4_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K1_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 3:
-        return FUSED_K1_Q5_K(raw, lut, xq, dx, dxs, 0, r0, n)
-    return FUSED_K1_Q6_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K1_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    return FUSED_K1_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
 
 
 @njit(cache=True)
-def _fused_k2(kind, raw, lut, xq, dx, dxs, r0):
+def _fused_k2(kind, raw, lut, xq, dx, dxs, tok, r0):
     n = raw.shape[0]
     if kind == 0:
-        return FUSED_K2_Q2_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K2_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 1:
-        return FUSED_K2_Q3_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K2_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 2:
-        return FUSED_K2_Q4_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K2_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
     elif kind == 3:
-        return FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, 0, r0, n)
-    return FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, 0, r0, n)
+        return FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    return FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -790,19 +794,19 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     per_task = _QK_ROWS_PER_TASK // R
     if k == 0:
         return
-    if k <= 2:  # one or two tokens: rows unpacked in registers, no scratch (same bits)
+    if k <= _QK_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
         for c in prange((n_tiles + per_task - 1) // per_task):
             for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
                 r0 = R * tile
-                if k == 1:
-                    v = _fused_k1(kind, raw, lut, xq, dx, dxs, r0)
+                for t in range(0, k - 1, 2):  # the tile's rows stay in L1 for the next pair
+                    v = _fused_k2(kind, raw, lut, xq, dx, dxs, t, r0)
                     for i in range(min(R, n_out - r0)):
-                        out[0, r0 + i] = v[i]
-                else:
-                    v = _fused_k2(kind, raw, lut, xq, dx, dxs, r0)
+                        out[t, r0 + i] = v[2 * i]
+                        out[t + 1, r0 + i] = v[2 * i + 1]
+                if k % 2:
+                    v = _fused_k1(kind, raw, lut, xq, dx, dxs, k - 1, r0)
                     for i in range(min(R, n_out - r0)):
-                        out[0, r0 + i] = v[2 * i]
-                        out[1, r0 + i] = v[2 * i + 1]
+                        out[k - 1, r0 + i] = v[i]
         return
     for c in prange((n_tiles + per_task - 1) // per_task):
         w = np.empty((R, n_in), np.uint8)
