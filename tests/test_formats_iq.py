@@ -1,14 +1,17 @@
 """IQ4_NL and IQ2_XXS specifics: the exact helpers, the derived search tables, decoding of every
-code, and byte equality with ggml on inputs that steer its data-dependent searches."""
+code, byte equality with ggml on inputs that steer its data-dependent searches, and IQ2_XXS's
+int8 kernels (fused k <= 2 and tiles: the same bits on every route)."""
 import itertools
 import zlib
 
 import numpy as np
 import pytest
+from numba import njit
 from gguf import GGMLQuantizationType, quants as gq
 
 from ds4tools import formats
-from ds4tools.formats import iq2_xxs, iq4_nl
+from ds4tools.formats import _int8dot, iq2_xxs, iq4_nl, legacy
+from ds4tools.formats._numeric import FP16_TO_FP32
 from ds4tools.formats.activations import quantize_activations
 from tests.oracle import ggml_quantize
 
@@ -168,6 +171,119 @@ def test_iq2_xxs_int8_matmul_is_close_and_batch_invariant():
     for k in (1, 4, 9):
         part = formats.matmul(raw, "IQ2_XXS", w.shape, x[:k], int8=True)
         np.testing.assert_array_equal(part.view(np.uint32), fast[:k].view(np.uint32))
+
+
+def _iq2_raw(n_out, n_in, seed, specials=True):
+    """Random IQ2_XXS rows (every grid index, sign pattern and block scale) with finite fp16
+    scales, and with ``specials`` a few NaN, infinite, zero and subnormal ones."""
+    raw = _random_blocks("IQ2_XXS", n_out * n_in // 256, seed)
+    d = raw[:, :2].copy().view(np.uint16)[:, 0]
+    d &= 0xBBFF  # finite, |d| < 1
+    if specials:
+        d[[1, 5]] = [0x7E00, 0x7C01]  # a quiet and a signalling NaN
+        d[[7, 9, 11, 13]] = [0x7C00, 0x0000, 0x8000, 0x0003]  # inf, +-0, a subnormal
+    raw[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_out, -1)
+
+
+def _iq2_reference(raw, x):
+    """float64 sum of the int8 path's terms: Q8_K activations times the decoded weights."""
+    n_out, n_in = raw.shape[0], x.shape[1]
+    wd = formats.dequantize(raw, "IQ2_XXS", (n_out, n_in)).astype(np.float64)
+    act = quantize_activations(x, "Q8_K")
+    xd = act.q.astype(np.float64) * np.repeat(act.d.astype(np.float64), 256, axis=1)
+    with np.errstate(invalid="ignore"):  # inf * 0 in the rows with special scales
+        return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+@pytest.mark.parametrize("n_out,n_in", [(33, 256 * 5), (6, 256), (9, 512), (5, 256 * 12)])
+def test_iq2_xxs_int8_fused_and_tiles_match_reference_and_each_other(n_out, n_in):
+    # k = 1, 2 take the fused kernels (4 rows at a time, the activations in the slot order),
+    # k >= 3 the tiles (rows unpacked to scratch): each (row, token) must have the same bits
+    # for every k, token slice and row slice; rows not a multiple of 4, an odd number of
+    # super-blocks (a half group), NaN / inf / zero / subnormal scales
+    rng = np.random.default_rng(n_out * n_in)
+    raw = _iq2_raw(n_out, n_in, n_out + n_in, specials=n_in // 256 * n_out > 13)
+    x = rng.standard_normal((17, n_in)).astype(np.float32)
+    x[3] = 0.0
+    x[4, :256] = 0.0
+    full = formats.matmul(raw, "IQ2_XXS", (n_out, n_in), x, int8=True)
+    ref, scale = _iq2_reference(raw, x)
+    finite = np.isfinite(ref)
+    assert (np.isnan(full) == np.isnan(ref)).all()
+    assert (np.abs(full - ref)[finite] <= 1e-5 * scale[finite] + 1e-30).all()
+    for k in range(1, 18):
+        for t0 in sorted({0, (17 - k) // 2, 17 - k}):
+            got = formats.matmul(raw, "IQ2_XXS", (n_out, n_in), x[t0:t0 + k], int8=True)
+            np.testing.assert_array_equal(got.view(np.uint32), full[t0:t0 + k].view(np.uint32),
+                                          err_msg=f"k={k} t0={t0}")
+    for r0, r1 in ((0, 1), (1, 3), (2, min(7, n_out)), (n_out - 1, n_out)):
+        for t0, t1 in ((5, 6), (6, 8), (2, 9)):
+            got = formats.matmul(raw[r0:r1], "IQ2_XXS", (r1 - r0, n_in), x[t0:t1], int8=True)
+            np.testing.assert_array_equal(got.view(np.uint32), full[t0:t1, r0:r1].view(np.uint32))
+
+
+def _iq2_prepared(raw, x):
+    """The activations as matmul_q8_tiles hands them to _matmul_q8, per k (len(x))."""
+    got = {}
+    orig = legacy._matmul_q8
+    legacy._matmul_q8 = lambda kind, raw_, lut, xq, xc, dx, dxs, out: got.update(
+        a=(xq, xc, dx, dxs))
+    try:
+        legacy.matmul_q8_tiles(_int8dot.KIND_IQ2_XXS, raw, quantize_activations(x, "Q8_K"),
+                               np.empty((len(x), raw.shape[0]), np.float32))
+    finally:
+        legacy._matmul_q8 = orig
+    return got["a"]
+
+
+ROUTES = [(True, True, True), (True, True, False), (False, True, True), (False, False, False)]
+
+
+@pytest.mark.parametrize("vnni,avx2,vbmi", ROUTES)
+def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
+    # fresh (uncached) wrappers compiled with the VNNI / AVX2 dot routes and IQ2_XXS's VBMI
+    # unpacking allowed or not (where this host has them; else they compile the portable IR):
+    # the fused kernels and the unpacker must give the tiles' bits on every route
+    n_out, n_in = 7, 256 * 5
+    raw = _iq2_raw(n_out, n_in, 4)
+    x = np.random.default_rng(5).standard_normal((3, n_in)).astype(np.float32)
+    ref = formats.matmul(raw, "IQ2_XXS", (n_out, n_in), x, int8=True)  # k = 3: tiles, cached
+    p1, p2 = _iq2_prepared(raw, x[:1]), _iq2_prepared(raw, x[1:])
+    ng = -(-n_in // 512)
+    u0 = np.zeros((n_out, 512 * ng), np.uint8)
+    dw0 = np.zeros((n_out, 16 * ng), np.float32)
+    tail = np.zeros(132, np.uint8)
+    m = np.zeros(16 * ng, np.float32)
+    for r in range(n_out):
+        legacy._unpack_row_q8(_int8dot.KIND_IQ2_XXS, raw[r], FP16_TO_FP32, u0[r], dw0[r], m, tail)
+    monkeypatch.setattr(_int8dot, "USE_VNNI", vnni)
+    monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
+    monkeypatch.setattr(_int8dot, "USE_VBMI", vbmi)
+    one, two, unpack = _int8dot.FUSED1_IQ2_XXS, _int8dot.FUSED2_IQ2_XXS, _int8dot.UNPACK_IQ2_XXS
+
+    @njit
+    def run(raw, xq1, xc1, dx1, dxs1, xq2, xc2, dx2, dxs2, out, u, dw):
+        n = raw.shape[0]
+        for r0 in range(0, n, 4):
+            v = one(raw, FP16_TO_FP32, xq1, xc1, dx1, dxs1, 0, r0, n)
+            w = two(raw, FP16_TO_FP32, xq2, xc2, dx2, dxs2, 0, r0, n)
+            for i in range(min(4, n - r0)):
+                out[0, r0 + i], out[1, r0 + i], out[2, r0 + i] = v[i], w[2 * i], w[2 * i + 1]
+        m = np.zeros(dw.shape[1], np.float32)
+        ng = raw.shape[1] // 132
+        for r in range(n):
+            unpack(raw[r], FP16_TO_FP32, u[r], dw[r], m, ng)
+
+    got = np.empty((3, n_out), np.float32)
+    u = np.zeros_like(u0)
+    dw = np.zeros_like(dw0)
+    run(raw, *p1, *p2, got, u, dw)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    full = 512 * (n_in // 512)  # the whole groups (the half group goes through the tail)
+    np.testing.assert_array_equal(u[:, :full], u0[:, :full])
+    np.testing.assert_array_equal(dw[:, :full // 32].view(np.uint32),
+                                  dw0[:, :full // 32].view(np.uint32))
 
 
 def test_q8_k_activations_match_ggml_rounding():

@@ -446,11 +446,15 @@ def _emit_nibbles_quad(context, builder, route, kind, rp, lutp, g, nvalid, xv):
 #: layout, as the tiles
 FUSED_NATURAL = (4,)
 FUSED_QUAD = (0, 1, 5)
+#: ... in the slot order (IQ2_XXS; see _emit_iq2_xxs_slots): value 8b + v of block 16g + i at
+#: byte 512g + 64v + 4i + b
+FUSED_SLOTS = (KIND_IQ2_XXS,)
 
 
 def _make_fused(kind, n_rows, n_toks):
-    ts = UNPACK_LAYOUTS[kind][0]
-    affine = UNPACK_LAYOUTS[kind][4]
+    iq2 = kind == KIND_IQ2_XXS  # raw units of 66 bytes = 8 blocks (super-blocks)
+    ts = 66 if iq2 else UNPACK_LAYOUTS[kind][0]
+    affine = False if iq2 else UNPACK_LAYOUTS[kind][4]
     small = kind < 4
 
     @intrinsic
@@ -471,6 +475,8 @@ def _make_fused(kind, n_rows, n_toks):
             lutp = context.make_array(sig.args[1])(context, builder, args[1]).data
             ra = context.make_array(sig.args[0])(context, builder, args[0])
             nb = builder.udiv(builder.extract_value(ra.shape, 1), _const(ts))
+            if iq2:
+                nb = builder.mul(nb, _const(8))
             nfull = builder.udiv(nb, _const(GROUP_BLOCKS))
             rem = builder.urem(nb, _const(GROUP_BLOCKS))
             last = builder.sub(n, _const(1))
@@ -494,6 +500,9 @@ def _make_fused(kind, n_rows, n_toks):
                     dxsv = [_load(builder, tp[3], gb, v16f, 4) for tp in toks]
                 else:
                     corr = [_load(builder, tp[1], gb, v16i32, 4) for tp in toks]
+                    if iq2:  # its dots start from -corr (see below)
+                        negcorr = [builder.sub(ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16),
+                                               cv) for cv in corr]
                 out = []
                 for i, rp in enumerate(rps):
                     if kind == 4:
@@ -501,6 +510,8 @@ def _make_fused(kind, n_rows, n_toks):
                     elif kind in FUSED_QUAD:
                         isums, dwv, mv = _emit_nibbles_quad(context, builder, route, kind, rp,
                                                             lutp, g, nvalid, xv)
+                    elif iq2:
+                        uv, dwv = _emit_iq2_xxs_slots(context, builder, rp, lutp, g, nvalid)
                     else:
                         chunks, dwv, mv = _emit_unpack_group(context, builder, kind, rp, lutp,
                                                              g, nvalid)
@@ -508,11 +519,15 @@ def _make_fused(kind, n_rows, n_toks):
                     for t in range(n_toks):
                         if kind == 4 or kind in FUSED_QUAD:
                             isum = isums[t]
+                        elif iq2:  # the dots added to -corr: isum - corr in one go
+                            isum = negcorr[t]
+                            for c in range(GROUP_CHUNKS):
+                                isum = _dot_chunk(builder, isum, uv[c], xv[t][c], route)
                         else:
                             isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
                             for c in range(GROUP_CHUNKS):
                                 isum = _dot_chunk(builder, isum, uv[c], xv[t][c], route)
-                        s_ = isum if affine else builder.sub(isum, corr[t])
+                        s_ = isum if affine or iq2 else builder.sub(isum, corr[t])
                         scale = builder.fmul(dwv, dxv[t])
                         acc = accs[i * n_toks + t]
                         acc = builder.fadd(acc, builder.fmul(builder.sitofp(s_, v16f), scale))
@@ -559,95 +574,232 @@ FUSED2_Q4_0, FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED2_IQ4_NL =
     _make_fused(k, FUSED_ROWS, 2) for k in range(6))
 
 
+# --- IQ2_XXS: a group is two super-blocks (16 blocks of 32, 132 raw bytes) ----------------------
+# Block 8s + b of a group is block b of super-block s: its grid word (4 indices, slot l = values
+# 8l..8l+7) and its sign word (4 x 7 sign bits, the 4-bit scale s in bits 28..31). IQ2_XXS's
+# weights and activations use the slot order instead of the group layout (FUSED_SLOTS; the
+# tiles only need the two to agree and lane i to be block i): chunk v holds value v of each of
+# a block's 4 slots, value 8b + v of block i at byte 64v + 4i + b. The unpacker (for the tiles)
+# and the fused k <= 2 kernels take the bytes u = level * sign + 128 from _emit_iq2_xxs_slots:
+# with AVX-512 VBMI and GFNI a handful of byte-table lookups per group and one vpermb per chunk,
+# elsewhere gathers of the 8-byte grid points (_emit_iq2_xxs_group) and byte shuffles. The
+# scale is d * (2s + 1) / 8 per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
+
+#: set to False to leave out IQ2_XXS's VBMI + GFNI route (and its vpermps scale table; tests
+#: compare the routes)
+USE_VBMI = True
+_IQ2_LEVEL = {8: 0, 25: 1, 43: 2}
+#: per grid point its 16-bit code, bits 2j..2j+1 the level (0, 1, 2: magnitude 8, 25, 43) of
+#: value j
+IQ2_XXS_CODES = tuple(sum(_IQ2_LEVEL[(v >> (8 * j)) & 255] << (2 * j) for j in range(8))
+                      for v in IQ2_XXS_GRID)
+#: ggml's ksigns: per 7 stored sign bits the 8 signs (bit j set: value j negative)
+IQ2_XXS_KSIGNS = tuple(_gguf_quants.IQ2_XXS.ksigns)
+
+
+def _bytes_const(vals):
+    return _vconst([((int(v) + 128) & 255) - 128 for v in vals], _I8)
+
+
+def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
+    """Group g's grid words q0 and sign words q1 (<16 x i32>, lane i = block i) and the block
+    scales dw = d * (2s + 1) / 8 (<16 x float>); see _emit_iq2_xxs_group for ``nvalid``."""
+    v16i32, v16f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+    go = builder.mul(g, _const(132))
+    so = [go, builder.add(go, _const(66))]
+    if nvalid is not None:
+        so[1] = builder.select(builder.icmp_signed(">", nvalid, _const(8)), so[1], go)
+    words = [_load(builder, rp, builder.add(so[s], _const(2)), v16i32) for s in range(2)]
+    q0 = builder.shuffle_vector(words[0], words[1], _mask(range(0, 32, 2)))  # grid indices
+    q1 = builder.shuffle_vector(words[0], words[1], _mask(range(1, 32, 2)))  # signs, scale
+    # scales: d * (2s + 1) * 0.125, d per super-block (lanes 0..7, 8..15)
+    ds = [_fp16_at(builder, rp, lutp, so[s]) for s in range(2)]
+    dv = ir.Constant(v16f, None)
+    for i in range(16):
+        dv = builder.insert_element(dv, ds[i // 8], ir.Constant(_I32, i))
+    sc = builder.lshr(q1, _splat(28, _I32))
+    if USE_VBMI and "avx512f" in host_features(context):  # (2s + 1) / 8 from a table (vpermps)
+        permps = _intrinsic_fn(builder, "llvm.x86.avx512.permvar.sf.512", v16f, [v16f, v16i32])
+        f = builder.call(permps, [ir.Constant(v16f, [(2 * v + 1) / 8 for v in range(16)]), sc])
+    else:
+        ls = builder.add(builder.shl(sc, _splat(1, _I32)), _splat(1, _I32))
+        f = builder.fmul(builder.sitofp(ls, v16f), ir.Constant(v16f, [0.125] * 16))
+    dw = builder.fmul(dv, f)  # exact either way: 11 x 5 significant bits
+    return q0, q1, dw
+
+
+def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None):
+    """IR for group g (i64) of the raw IQ2_XXS row at rp (i8*): its 8 chunks (<64 x i8>, u =
+    level * sign + 128 in the group layout) and the 16 block scales dw (<16 x float>), by
+    portable IR: per slot l the 16 blocks' 8-byte grid points by one gather (a constant table
+    in the module), whose low and high words are chunks 2l and 2l + 1; the signs computed (7
+    stored bits and their parity as the eighth) and applied by a compare and select.
+    ``nvalid`` (i64, or None: 16): 8 when only the first super-block exists; the lanes of the
+    missing one then repeat it (nothing is read past the row's end)."""
+    v64i8, v16i64 = ir.VectorType(_I8, 64), ir.VectorType(_I64, 16)
+    q0, q1, dw = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
+    chunks = []
+    grid = builder.module.globals.get("ds4_iq2_xxs_grid")
+    if grid is None:
+        ty = ir.ArrayType(_I64, 256)
+        grid = ir.GlobalVariable(builder.module, ty, "ds4_iq2_xxs_grid")
+        grid.linkage = "internal"
+        grid.global_constant = True
+        grid.initializer = ir.Constant(ty, [((v + 2**63) % 2**64) - 2**63 for v in IQ2_XXS_GRID])
+        grid.align = 64
+    base = splat(builder, builder.ptrtoint(grid, _I64), 16)
+    ptrs_t = ir.VectorType(_I64.as_pointer(), 16)
+    gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
+                           [ptrs_t, _I32, ir.VectorType(ir.IntType(1), 16), v16i64])
+    all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+    # sign word per block: byte l = the 7 bits (q1 >> 7l) & 127 and their parity as bit 7
+    b7 = builder.and_(q1, _splat(0x7F, _I32))
+    for l in range(1, 4):
+        b7 = builder.or_(b7, builder.and_(builder.shl(q1, _splat(l, _I32)),
+                                          _splat(0x7F << (8 * l), _I32)))
+    p = builder.xor(b7, builder.lshr(b7, _splat(4, _I32)))
+    p = builder.xor(p, builder.lshr(p, _splat(2, _I32)))
+    p = builder.xor(p, builder.lshr(p, _splat(1, _I32)))
+    sw = builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
+                                                     _splat(7, _I32))), v64i8)
+    for l in range(4):
+        ix = builder.zext(builder.and_(builder.lshr(q0, _splat(8 * l, _I32)), _splat(255, _I32)),
+                          v16i64)
+        ptrs = builder.inttoptr(builder.add(base, builder.shl(ix, _splat(3, _I64))), ptrs_t)
+        gv = builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
+                                   ir.Constant(v16i64, None)])
+        gw = builder.bitcast(gv, ir.VectorType(_I32, 32))
+        for h in range(2):  # low words: chunk 2l, high words: chunk 2l + 1
+            mag = builder.bitcast(_pick(builder, gw, range(h, 32, 2)), v64i8)  # vpermt2d
+            # byte 4i + e: bit 4h + e of block i's sign byte l
+            sb = builder.shuffle_vector(sw, sw, _mask([4 * (j // 4) + l for j in range(64)]))
+            bit = _vconst([((1 << (4 * h + j % 4)) ^ 128) - 128 for j in range(64)], _I8)
+            neg = builder.icmp_unsigned("!=", builder.and_(sb, bit), _splat(0, _I8, 64))
+            chunks.append(builder.select(neg, builder.sub(_splat(-128, _I8, 64), mag),
+                                         builder.add(mag, _splat(-128, _I8, 64))))
+    return chunks, dw
+
+
+def _iq2_xxs_slot_tables():
+    """The byte tables of _emit_iq2_xxs_slots (Python ints)."""
+    lev = [[(c >> (2 * j)) & 3 for j in range(8)] for c in IQ2_XXS_CODES]
+    # per grid point and half h: levels l0..l3 of values 4h..4h+3 at bits 0-1, 2 + 5, 3-4, 6-7
+    halves = [[l[4 * h] | (l[4 * h + 2] & 1) << 2 | l[4 * h + 1] << 3 | (l[4 * h + 2] >> 1) << 5
+               | l[4 * h + 3] << 6 for l in lev] for h in range(2)]
+    # per pair k of values (2k, 2k + 1) and 7 stored sign bits: their signs at bits 2 and 5
+    signs = [[((s >> 2 * k) & 1) << 2 | ((s >> (2 * k + 1)) & 1) << 5 for s in IQ2_XXS_KSIGNS]
+             for k in range(4)]
+
+    def u(level, neg):
+        m = (8, 25, 43, 0)[level]
+        return 128 - m if neg else 128 + m
+
+    # level + sign of the pair's first value at bits 0-2, of its second at bits 3-5
+    values = [[u(j & 3, (j >> 2) & 1) for j in range(64)],
+              [u((j >> 3) & 3, (j >> 5) & 1) for j in range(64)]]
+    return halves, signs, values
+
+
+_IQ2_SLOT_TABLES = _iq2_xxs_slot_tables()
+
+
+def _emit_iq2_xxs_slots(context, builder, rp, lutp, g, nvalid=None):
+    """As _emit_iq2_xxs_group, but the 8 chunks in the slot order (FUSED_SLOTS): chunk v holds
+    value v of each slot, block i's dword lane bytes b = 0..3 being its values 8b + v.
+
+    VBMI + GFNI route: per group, the 64 grid indices look up two bytes each (two tables of
+    256: 4 vpermi2b, 2 blends), the levels of values 4h..4h+3, and the 64 7-bit sign fields
+    (one vpmultishiftqb) four bytes each (four tables of 128, vpermi2b), the signs of values
+    2k and 2k + 1 at bits 2 and 5. Merged (vpternlogd; a vgf2p8affineqb moves the second pair
+    of levels down), byte k of a (block, slot) holds level and sign of values 2k and 2k + 1 at
+    bits 0-2 and 3-5, so a chunk is one vpermb of a 64-entry table (u by those 6 bits). Other
+    hosts: the group layout's chunks, reordered by byte shuffles."""
+    v64i8 = ir.VectorType(_I8, 64)
+    feats = host_features(context)
+    if not (USE_VBMI and {"avx512vbmi", "gfni"} <= feats):
+        chunks, dw = _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid)
+        out = []
+        for v in range(8):
+            src = [chunks[2 * b + v // 4] for b in range(4)]
+            pick = [4 * (j // 4) + v % 4 for j in range(64)]  # byte 4i + b <- 4i + v % 4 of src[b]
+            lo = builder.shuffle_vector(src[0], src[1], _mask(  # right for b = 0, 1
+                [pick[j] + 64 * (j % 4) if j % 4 < 2 else 0 for j in range(64)]))
+            hi = builder.shuffle_vector(src[2], src[3], _mask(
+                [pick[j] + 64 * (j % 4 - 2) if j % 4 >= 2 else 0 for j in range(64)]))
+            out.append(builder.shuffle_vector(lo, hi, _mask(
+                [j if j % 4 < 2 else 64 + j for j in range(64)])))
+        return out, dw
+    q0, q1, dw = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
+    halves, signs, values = _IQ2_SLOT_TABLES
+    perm2 = _intrinsic_fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64i8, [v64i8] * 3)
+    perm = _intrinsic_fn(builder, "llvm.x86.avx512.permvar.qi.512", v64i8, [v64i8] * 2)
+    mshift = _intrinsic_fn(builder, "llvm.x86.avx512.pmultishift.qb.512", v64i8, [v64i8] * 2)
+    gf2 = _intrinsic_fn(builder, "llvm.x86.vgf2p8affineqb.512", v64i8, [v64i8, v64i8, _I8])
+    idx = builder.bitcast(q0, v64i8)  # byte 4i + l: grid index of block i, slot l
+    upper = builder.icmp_signed("<", idx, _splat(0, _I8, 64))
+    lev = []
+    for table in halves:
+        t = [_bytes_const(table[64 * k:64 * k + 64]) for k in range(4)]
+        lev.append(builder.select(upper, builder.call(perm2, [t[2], idx, t[3]]),
+                                  builder.call(perm2, [t[0], idx, t[1]])))
+    # byte 4i + l: bits 7l..7l+6 of block i's sign word (bit 7: anything)
+    fields = builder.call(mshift, [_bytes_const([32 * ((j // 4) % 2) + 7 * (j % 4)
+                                                 for j in range(64)]), builder.bitcast(q1, v64i8)])
+    # out bit i = parity(matrix byte 7 - i & x): bits 2, 5, 6, 7 -> 0, 1, 3, 4
+    down = _bytes_const([{7: 1 << 2, 6: 1 << 5, 4: 1 << 6, 3: 1 << 7}.get(j % 8, 0)
+                         for j in range(64)])
+    keep = _splat(~0x24, _I8, 64)
+    table_u = [_bytes_const(v) for v in values]
+    chunks = []
+    for k in range(4):
+        sk = builder.call(perm2, [_bytes_const(signs[k][:64]), fields,
+                                  _bytes_const(signs[k][64:])])
+        h = lev[k // 2]
+        if k % 2:
+            pair = builder.call(gf2, [h, down, ir.Constant(_I8, 0)])
+        else:
+            pair = builder.and_(h, keep)
+        pair = builder.or_(pair, sk)
+        chunks += [builder.call(perm, [table_u[0], pair]), builder.call(perm, [table_u[1], pair])]
+    return chunks, dw
+
+
 @intrinsic
 def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
     """Groups 0..ngroups-1 of one raw IQ2_XXS row rr (uint8; a group is two super-blocks, 132
-    bytes) -> u (uint8) in the group layout: the signed levels grid * sign + 128, and
-    dw[b] = d * (2s + 1) * 0.125 per 32-block (exact: ggml's d * (0.5 + s) * 0.25; its final
-    1/8 folded in). m is not touched. No bounds checks.
-
-    Per group: the 16 blocks' grid and sign words by two vector loads and two shuffles; per
-    grid slot l the 16 blocks' 8-byte grid points by one gather (IQ2_XXS_GRID is a constant
-    table in the module), whose low and high words are chunks 2l and 2l + 1; the signs computed
-    (ggml's ksigns: 7 stored bits and their parity as the eighth), not looked up."""
+    bytes) -> u (uint8) in the slot order (FUSED_SLOTS, as the activations are handed over):
+    the signed levels grid * sign + 128, and dw[b] = d * (2s + 1) / 8 per 32-block (exact:
+    ggml's d * (0.5 + s) * 0.25; its final 1/8 folded in). m is not touched. No bounds
+    checks. See _emit_iq2_xxs_slots."""
     sig = types.void(rr, lut, u, dw, m, ngroups)
 
     def codegen(context, builder, sig, args):
         rp, lutp, up, dwp = [context.make_array(sig.args[i])(context, builder, args[i]).data
                              for i in range(4)]
-        v16i32, v16i64 = ir.VectorType(_I32, 16), ir.VectorType(_I64, 16)
         v64i8, v16f = ir.VectorType(_I8, 64), ir.VectorType(_F32, 16)
-        grid = builder.module.globals.get("ds4_iq2_xxs_grid")
-        if grid is None:
-            ty = ir.ArrayType(_I64, 256)
-            grid = ir.GlobalVariable(builder.module, ty, "ds4_iq2_xxs_grid")
-            grid.linkage = "internal"
-            grid.global_constant = True
-            grid.initializer = ir.Constant(ty, [((v + 2**63) % 2**64) - 2**63 for v in IQ2_XXS_GRID])
-            grid.align = 64
-        base = builder.ptrtoint(grid, _I64)
-        base = builder.shuffle_vector(builder.insert_element(ir.Constant(v16i64, None), base,
-                                                             ir.Constant(_I32, 0)),
-                                      ir.Constant(v16i64, None), _mask([0] * 16))
-        ptrs_t = ir.VectorType(_I64.as_pointer(), 16)
-        gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
-                               [ptrs_t, _I32, ir.VectorType(ir.IntType(1), 16), v16i64])
-        all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+
         def body(g, _):
-            go = builder.mul(g, _const(132))
-            words = [_load(builder, rp, builder.add(go, _const(66 * s + 2)), v16i32)
-                     for s in range(2)]
-            q0 = builder.shuffle_vector(words[0], words[1], _mask(range(0, 32, 2)))  # grid bytes
-            q1 = builder.shuffle_vector(words[0], words[1], _mask(range(1, 32, 2)))  # signs, scale
-            # scales: d * (2s + 1) * 0.125, d per super-block (lanes 0..7, 8..15)
-            ds = [_fp16_at(builder, rp, lutp, builder.add(go, _const(66 * s))) for s in range(2)]
-            dv = ir.Constant(v16f, None)
-            for i in range(16):
-                dv = builder.insert_element(dv, ds[i // 8], ir.Constant(_I32, i))
-            ls = builder.lshr(q1, _splat(28, _I32))
-            ls = builder.add(builder.shl(ls, _splat(1, _I32)), _splat(1, _I32))
-            scale = builder.fmul(builder.fmul(dv, builder.sitofp(ls, v16f)),
-                                 ir.Constant(v16f, [0.125] * 16))
+            chunks, scale = _emit_iq2_xxs_slots(context, builder, rp, lutp, g)
             gb = builder.mul(g, _const(GROUP_BLOCKS))
             builder.store(scale, builder.bitcast(builder.gep(dwp, [gb]), v16f.as_pointer()),
                           align=4)
-            # sign word per block: byte l = the 7 bits (q1 >> 7l) & 127 and their parity as bit 7
-            b7 = builder.and_(q1, _splat(0x7F, _I32))
-            for l in range(1, 4):
-                b7 = builder.or_(b7, builder.and_(builder.shl(q1, _splat(l, _I32)),
-                                                  _splat(0x7F << (8 * l), _I32)))
-            p = builder.xor(b7, builder.lshr(b7, _splat(4, _I32)))
-            p = builder.xor(p, builder.lshr(p, _splat(2, _I32)))
-            p = builder.xor(p, builder.lshr(p, _splat(1, _I32)))
-            sw = builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
-                                                             _splat(7, _I32))), v64i8)
             ub = builder.mul(g, _const(GROUP_BYTES))
-            for l in range(4):
-                ix = builder.zext(builder.and_(builder.lshr(q0, _splat(8 * l, _I32)),
-                                               _splat(255, _I32)), v16i64)
-                ptrs = builder.inttoptr(builder.add(base, builder.shl(ix, _splat(3, _I64))), ptrs_t)
-                gv = builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
-                                           ir.Constant(v16i64, None)])
-                gw = builder.bitcast(gv, ir.VectorType(_I32, 32))
-                for h in range(2):  # low words: chunk 2l, high words: chunk 2l + 1
-                    c = 2 * l + h
-                    words = _pick(builder, gw, range(h, 32, 2))  # vpermt2d (or vpmovqd)
-                    mag = builder.bitcast(words, v64i8)
-                    # byte 4i + e: bit 4c + e of block i's sign word (in its byte l)
-                    sb = builder.shuffle_vector(sw, sw, _mask([4 * (j // 4) + l for j in range(64)]))
-                    bit = _vconst([((1 << (4 * h + j % 4)) ^ 128) - 128 for j in range(64)], _I8)
-                    neg = builder.icmp_unsigned("!=", builder.and_(sb, bit), _splat(0, _I8, 64))
-                    val = builder.select(neg, builder.sub(_splat(-128, _I8, 64), mag),
-                                         builder.add(mag, _splat(-128, _I8, 64)))
-                    q = builder.bitcast(builder.gep(up, [builder.add(ub, _const(64 * c))]),
-                                        v64i8.as_pointer())
-                    builder.store(val, q, align=1)
+            for c, val in enumerate(chunks):
+                q = builder.bitcast(builder.gep(up, [builder.add(ub, _const(64 * c))]),
+                                    v64i8.as_pointer())
+                builder.store(val, q, align=1)
             return []
 
         _loop(builder, _as_i64(builder, args[5]), [], body, "unpack")
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+#: IQ2_XXS's fused kernels (as FUSED1_* / FUSED2_*; activations in the slot order, as its
+#: tiles take them)
+FUSED1_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 1)
+FUSED2_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 2)
 
 
 # --- float decoding of one row (the exact float32 matmuls of Q4_0, Q4_1, Q5_0, Q5_1) -----------

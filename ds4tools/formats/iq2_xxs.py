@@ -26,7 +26,7 @@ from numba import njit, prange
 from .base import QuantFormat, register
 from . import _simd
 from ._int8dot import IQ2_XXS_GRID, KIND_IQ2_XXS
-from .legacy import INT8_MIN_ROW, _matmul_q8, matmul_q8_tiles
+from .legacy import INT8_MIN_ROW_FUSED, _matmul_q8, matmul_q8_tiles
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
 from ._search import GROUP_MAX_EPS, SCRATCH, make_qp_quants, nearest_int
 
@@ -364,12 +364,14 @@ def _iq2_xxs_matmul(raw, lut, grid_u64, sign_mask_u64, x, out, chunk):
 # --- int8 activations (ggml's vec_dot_type for IQ2_XXS is Q8_K: int8 per 256, float scale) ---
 
 
-# The int8 path is Q8_0's tiles (legacy.matmul_q8_tiles, kind KIND_IQ2_XXS): a row unpacked by
+# The int8 path is Q8_0's driver (legacy.matmul_q8_tiles, kind KIND_IQ2_XXS): a row unpacked by
 # _int8dot.UNPACK_IQ2_XXS to signed levels + 128 (unsigned bytes, as Q8_0's) with per 32-block
 # float scales d * (2s + 1) / 8, dotted with the Q8_K activations handed over per 32-block
-# (the scale per 256 repeated, the sums of 16 paired). ggml sums the block dots times 2s + 1 in
-# int32 per super-block first; here each block's exact dot is scaled in float: the same
-# product, rounded per block.
+# (the scale per 256 repeated, the sums of 16 paired) by the tiles; one or two tokens take
+# _int8dot's fused kernels (FUSED1_IQ2_XXS, FUSED2_IQ2_XXS: 4 rows unpacked in registers with
+# byte-table lookups, the activations in the slot order), same bits. ggml sums the block dots
+# times 2s + 1 in int32 per super-block first; here each block's exact dot is scaled in float:
+# the same product, rounded per block.
 
 #: the grid points' eight int8 levels as one uint64 each, and per 7-bit sign pattern a uint64
 #: with 0xFF in the bytes to negate (the float path builds 32 signed levels from 4 + 4 loads)
@@ -386,7 +388,7 @@ class IQ2_XXS(QuantFormat):
     uses_imatrix = True
     requires_imatrix = True  # ggml_quantize_requires_imatrix
     act_type = "Q8_K"
-    int8_min_row = INT8_MIN_ROW
+    int8_min_row = INT8_MIN_ROW_FUSED  # the smallest row (one super-block): see legacy.py
     #: the int8 path's numba kernel (for the assembly checks)
     q8_kernel = _matmul_q8
 

@@ -24,9 +24,10 @@ from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_f
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
                        DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
-                       FUSED1_IQ4_NL, FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0, FUSED1_Q5_1,
-                       FUSED1_Q8_0, FUSED2_IQ4_NL, FUSED2_Q4_0, FUSED2_Q4_1, FUSED2_Q5_0,
-                       FUSED2_Q5_1, FUSED2_Q8_0, FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS,
+                       FUSED1_IQ2_XXS, FUSED1_IQ4_NL, FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0,
+                       FUSED1_Q5_1, FUSED1_Q8_0, FUSED2_IQ2_XXS, FUSED2_IQ4_NL, FUSED2_Q4_0,
+                       FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED_NATURAL,
+                       FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
                        UNPACK_Q8_0, WEIGHT_OFFSET)
@@ -141,15 +142,12 @@ def _q8_0_matmul(raw, lut, x, out, qk):
 # weights + 128 (any u <= 255) and share the Q8 tiles.
 _Q8_KIND_Q8_0 = 4
 KIND_IQ4_NL = 5
-#: rows shorter than two of _int8dot's 16-block groups run faster on the float32 kernel
-#: (measured on 1024-row matrices, 1 thread: int8 / f32 time at k=1 is 1.4-2.3 for rows of
-#: 512-768, 1.06 at 1024, 0.8 at 2048; at k=8 0.9-1.1, 0.5, 0.45)
-INT8_MIN_ROW = 2 * GROUP_BLOCKS * QK
 #: with the fused k <= 2 kernels (no scratch, no padded work) int8 wins at k=1 from rows of
 #: 256 (1024-row matrices, 1 thread, int8 / f32 time at k=1, n_in 64 128 256 384 512 768 1024
 #: 1536 2048: Q8_0 1.44 1.10 0.55 0.39 0.30 0.36 0.29 0.29 0.37; Q4_0 1.35 1.08 0.62 0.42 0.32
-#: 0.40 0.31 0.32 0.35): the formats of this file and IQ4_NL use it (IQ2_XXS, not fused,
-#: keeps INT8_MIN_ROW)
+#: 0.40 0.31 0.32 0.35): the formats of this file, IQ4_NL and IQ2_XXS use it (IQ2_XXS, whose
+#: rows are multiples of 256: 0.33 0.18 0.16 0.12 at n_in 256 512 768 1024; k=8 1.04 0.45 0.44
+#: 0.29)
 INT8_MIN_ROW_FUSED = 8 * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
@@ -211,6 +209,18 @@ def _prep_act_q8(q, d, sums, offset, xq, xcorr, dx, dxs):
 
 
 @njit(cache=True)
+def _slot_order_q8(q, xq):
+    # the quants of _prep_act_q8's xq moved to IQ2_XXS's slot order (_int8dot.FUSED_SLOTS):
+    # value 8b + v of block 16g + i at byte 512g + 64v + 4i + b (the same bytes of xq)
+    k, n = q.shape
+    for t in range(k):
+        for b in range(n // QK):
+            base = (b // GROUP_BLOCKS) * GROUP_BYTES + 4 * (b % GROUP_BLOCKS)
+            for j in range(QK):
+                xq[t, base + 64 * (j & 7) + (j >> 3)] = q[t, b * QK + j]
+
+
+@njit(cache=True)
 def _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0):
     n = raw.shape[0]
     if kind == _Q8_KIND_Q8_0:
@@ -223,6 +233,8 @@ def _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0):
         return FUSED1_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
     elif kind == 3:
         return FUSED1_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == KIND_IQ2_XXS:
+        return FUSED1_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
     return FUSED1_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
 
 
@@ -239,6 +251,8 @@ def _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0):
         return FUSED2_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
     elif kind == 3:
         return FUSED2_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == KIND_IQ2_XXS:
+        return FUSED2_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
     return FUSED2_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
 
 
@@ -251,17 +265,18 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     whatever tile computes it. The tokens go in blocks of _Q8_TOKEN_BLOCK (their accumulators
     stay in L1) and long rows in runs of _Q8_RUN_GROUPS groups, all the block's tokens per run,
     so a run of weights and activations stays in L1 (the float accumulators carry over).
-    One or two tokens (not IQ2_XXS) take _int8dot's fused kernels instead: FUSED_ROWS rows at
-    a time unpacked in registers, no scratch; for Q8_0 those read xq in the natural order
-    (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in _int8dot's quad
-    order (matmul_q8_tiles prepares them), not the group layout."""
+    One or two tokens take _int8dot's fused kernels instead: FUSED_ROWS rows at a time
+    unpacked in registers, no scratch; for Q8_0 those read xq in the natural order (value j
+    of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in _int8dot's quad order
+    (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's weights and activations
+    are in _int8dot's slot order for every k."""
     n_out = raw.shape[0]
     k, n_pad = xq.shape
     nb_pad = n_pad // QK
     ng = nb_pad // GROUP_BLOCKS
     if k == 0:
         return
-    if k <= 2 and kind != KIND_IQ2_XXS:  # rows unpacked in registers, no scratch (same bits)
+    if k <= 2:  # rows unpacked in registers, no scratch (same bits)
         R = FUSED_ROWS
         n_tiles = (n_out + R - 1) // R
         per_task = _Q8_ROWS_PER_TASK // R
@@ -347,6 +362,8 @@ def matmul_q8_tiles(kind, raw, act, out):
         xn = np.zeros((k, nb_pad * QK), np.int8)
         xn[:, :n] = act.q
         xq[:, :] = xn.reshape(k, -1, 4, 4, 2, 16).transpose(0, 1, 2, 4, 3, 5).reshape(k, -1)
+    elif kind in FUSED_SLOTS:  # ... or the slot order (IQ2_XXS, for its tiles too)
+        _slot_order_q8(act.q, xq)
     _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
 
 
