@@ -162,6 +162,99 @@ def test_attention_limits_match_numpy():
     np.testing.assert_array_equal(out16, expect)
 
 
+def _attention(q, cache_k, cache_v, limits, f16=False):
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    out = np.empty_like(q)
+    if f16:
+        kernels.attention_f16(q, cache_k, cache_v, limits, np.float32(0.125), out, FP16_TO_FP32)
+    else:
+        kernels.attention_f32(q, cache_k, cache_v, limits, np.float32(0.125), out)
+    return out
+
+
+def _to_f16(a):
+    return formats.quantize(a.reshape(-1, a.shape[-1]), "F16").view(np.uint16).reshape(a.shape)
+
+
+# head_dim 64 / 128: scores from the cache rows below 16 query rows, from transposed key blocks
+# from 16; 80: always from the rows; 72: the scalar kernel. GQA groups of 1, 2 and 3 heads.
+@pytest.mark.parametrize("hd,group", [(64, 2), (128, 1), (64, 3), (80, 2), (72, 2)])
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+def test_attention_row_bits_do_not_depend_on_the_batch(hd, group, f16):
+    rng = np.random.default_rng(21)
+    n_kv, n_ctx, k = 2, 70, 40
+    cache_k, cache_v = rng.standard_normal((2, n_kv, n_ctx, hd)).astype(np.float32)
+    if f16:
+        cache_k, cache_v = _to_f16(cache_k), _to_f16(cache_v)
+    q = rng.standard_normal((k, n_kv * group, hd)).astype(np.float32)
+    limits = rng.integers(1, n_ctx + 1, k)
+    limits[:5] = [1, 16, 17, 47, n_ctx]
+    full = _attention(q, cache_k, cache_v, limits, f16)
+    for step in (1, 2, 7, 16, 17):
+        for t0 in range(0, k, step):
+            part = _attention(q[t0:t0 + step].copy(), cache_k, cache_v, limits[t0:t0 + step].copy(), f16)
+            np.testing.assert_array_equal(part, full[t0:t0 + step], err_msg=f"rows {t0}+{step}")
+    # what a row sees is only its own prefix: garbage in the rows above it changes nothing
+    if not f16:
+        for step in (1, 16):
+            for t0 in (0, 16):
+                lim = limits[t0:t0 + step]
+                dirty_k, dirty_v = cache_k.copy(), cache_v.copy()
+                dirty_k[:, lim.max():] = np.nan
+                dirty_v[:, lim.max():] = np.inf
+                np.testing.assert_array_equal(_attention(q[t0:t0 + step].copy(), dirty_k, dirty_v, lim.copy()),
+                                              full[t0:t0 + step])
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_attention_nan_propagates_to_the_rows_that_see_it(k):
+    rng = np.random.default_rng(22)
+    n_kv, n_ctx, hd = 2, 40, 64
+    cache_k, cache_v = rng.standard_normal((2, n_kv, n_ctx, hd)).astype(np.float32)
+    q = rng.standard_normal((k, 4, hd)).astype(np.float32)
+    limits = np.arange(n_ctx - k + 1, n_ctx + 1)
+    clean = _attention(q, cache_k, cache_v, limits)
+    bad_q = q.copy()
+    bad_q[0, 1, 3] = np.nan
+    out = _attention(bad_q, cache_k, cache_v, limits)
+    assert np.isnan(out[0, 1]).all()
+    np.testing.assert_array_equal(out[1:], clean[1:])
+    np.testing.assert_array_equal(out[0, [0, 2, 3]], clean[0, [0, 2, 3]])
+    for cache, cols in ((cache_k, slice(None)), (cache_v, 5)):  # a NaN in kv head 1, row 30:
+        cache[1, 30, 5] = np.nan                               # heads 2, 3 (a key: whole rows)
+        out = _attention(q, cache_k, cache_v, limits)
+        cache[1, 30, 5] = 0.0
+        sees = limits > 30
+        assert np.isnan(out[sees, 2:][..., cols]).all()
+        np.testing.assert_array_equal(out[~sees], clean[~sees])
+        np.testing.assert_array_equal(out[:, :2], clean[:, :2])
+    short = np.minimum(limits, 30)  # rows that stop before row 30 are untouched by it
+    clean = _attention(q, cache_k, cache_v, short)
+    cache_k[1, 30:] = np.nan
+    np.testing.assert_array_equal(_attention(q, cache_k, cache_v, short), clean)
+
+
+def test_swiglu_in_place_and_batch_identity():
+    rng = np.random.default_rng(23)
+    k, n = 70, 300  # serial below 64 rows, row-parallel from there; rows longer than a chunk
+    gate = (4 * rng.standard_normal((k, n))).astype(np.float32)
+    up = rng.standard_normal((k, n)).astype(np.float32)
+    gate[3, :4] = [np.nan, np.inf, -np.inf, -100.0]
+    out = np.empty_like(gate)
+    kernels.swiglu(gate, up, out)
+    g = gate[4:].astype(np.float64)
+    np.testing.assert_allclose(out[4:], g / (1 + np.exp(-g)) * up[4:], rtol=1e-5, atol=1e-6)
+    assert np.isnan(out[3, 0]) and abs(out[3, 3]) < 1e-30
+    in_place = gate.copy()
+    kernels.swiglu(in_place, up, in_place)
+    np.testing.assert_array_equal(in_place, out)
+    for step in (1, 3, 64):
+        for t0 in range(0, k, step):
+            part = np.empty_like(gate[t0:t0 + step])
+            kernels.swiglu(gate[t0:t0 + step].copy(), up[t0:t0 + step].copy(), part)
+            np.testing.assert_array_equal(part, out[t0:t0 + step])
+
+
 def test_kv_cache_rules():
     c = KVCache(2, 2, 8, 4)
     with pytest.raises(ValueError, match="cannot truncate"):
@@ -209,3 +302,15 @@ def test_exp_f32_accuracy():
     assert (np.abs(out - ref) / ref).max() < 1e-6
     run(np.array([-1e4, 0.0], np.float32), out[:2])
     assert out[0] < 1e-37 and out[1] == 1.0
+
+    @njit
+    def softmax_exp(s, nv, inv):  # attention's 16-lane exp: e**(s - max) in place, 1 / sum
+        kernels._softmax1(s, 0, 0, nv, inv, 0)
+    x = np.linspace(-87.0, 0.0, 10001).astype(np.float32)
+    n = len(x)
+    s = np.concatenate([x, [np.nan] * 15]).astype(np.float32)  # NaN past n: not seen
+    inv = np.empty(1, np.float32)
+    softmax_exp(s, n, inv)
+    ref = np.exp(x.astype(np.float64))
+    assert (np.abs(s[:n] - ref) / ref).max() < 1e-6
+    assert (s[n:] == 0).all() and abs(inv[0] * ref.sum() - 1) < 1e-5
