@@ -891,7 +891,7 @@ DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
 # end. The same float sequence runs per (row, token) whatever the tile or fused kernel, the
 # integer route, k or the thread split.
 
-from ._llvm_ir import tree_sum_f32  # noqa: E402
+from ._llvm_ir import store as _store, tree_sum_f32, tree_sums_f32x16  # noqa: E402
 
 #: sub-blocks (lanes) per K-quant group (= one super-block), its bytes and chunks
 KGROUP_LANES = 16
@@ -1007,6 +1007,33 @@ def KSUM(typingctx, acc, i):
         p = _row_ptr(context, builder, sig.args[0], args[0], _as_i64(builder, args[1]))
         v = builder.load(builder.bitcast(p, ir.VectorType(_F32, 16).as_pointer()), align=4)
         return tree_sum_f32(builder, v)
+
+    return sig, codegen
+
+
+@intrinsic
+def KSUM_STORE_4x4(typingctx, acc, row, out, tok, col):
+    """KSUM of acc rows row..row+15 (4 tokens x K_TILE_ROWS = 4 weight rows, token-major, as
+    the K tiles number them) stored at out[tok + t, col + r] (t, r < 4): the same sums, all 16
+    reduced at once (tree_sums_f32x16). No bounds checks."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 2
+            and acc.layout == "C" and isinstance(out, types.Array) and out.dtype == types.float32
+            and out.ndim == 2 and out.layout == "C"
+            and all(isinstance(v, types.Integer) for v in (row, tok, col))):
+        return None
+    sig = types.void(acc, row, out, tok, col)
+
+    def codegen(context, builder, sig, args):
+        v16f = ir.VectorType(_F32, 16)
+        row0, t0, c0 = (_as_i64(builder, v) for v in (args[1], args[3], args[4]))
+        vs = [builder.load(builder.bitcast(_row_ptr(context, builder, sig.args[0], args[0],
+                                                    builder.add(row0, _const(j))),
+                                           v16f.as_pointer()), align=4) for j in range(16)]
+        sums = tree_sums_f32x16(builder, vs)
+        for t in range(4):
+            p = _row_ptr(context, builder, sig.args[2], args[2], builder.add(t0, _const(t)))
+            _store(builder, _pick(builder, sums, range(4 * t, 4 * t + 4)), p, c0, 4)
+        return context.get_dummy_value()
 
     return sig, codegen
 

@@ -28,7 +28,7 @@ from .base import QuantFormat, register
 from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_SYM, FUSED_K1_Q2_K,
                        FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K, FUSED_K2_Q2_K,
                        FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, K_AFFINE,
-                       K_TILE_ROWS, KSUM, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
+                       K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
                        UNPACK_K_Q5_K, UNPACK_K_Q6_K)
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
@@ -836,9 +836,14 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
                             DOT_K_4x1_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
                         else:
                             DOT_K_4x1_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                t = 0
+                if r0 + R <= n_out:  # whole tiles: 4 tokens x 4 rows reduced at once
+                    for t in range(0, kb - 3, 4):
+                        KSUM_STORE_4x4(acc, t * R, out, t0 + t, r0)
+                    t = kb - kb % 4
                 for i in range(min(R, n_out - r0)):
-                    for t in range(kb):
-                        out[t0 + t, r0 + i] = KSUM(acc, t * R + i)
+                    for tt in range(t, kb):
+                        out[t0 + tt, r0 + i] = KSUM(acc, tt * R + i)
 
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
