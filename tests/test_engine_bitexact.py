@@ -71,7 +71,7 @@ def test_prefill_chunks_do_not_matter(model_dir, setup):
     single = _one_at_a_time(eng, TOKENS)
     whole = eng.forward(TOKENS, 0, hidden_layers=(1,), want_final_hidden=True)  # one chunk of 72
     np.testing.assert_array_equal(whole.logits, single)
-    for chunk in (1, 5, 17, 32):
+    for chunk in (1, 5, 17, 32, 128):
         other = Transformer(eng.hparams, eng.weights, n_ctx=eng.n_ctx, cache_type=eng.model.cache_type,
                             chunk=chunk)
         other.single_thread = not other.single_thread  # and the other threading

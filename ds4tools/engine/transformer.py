@@ -27,9 +27,9 @@ from .kv_cache import KVCache
 from .weights import LayerWeights, ModelWeights, SharedInput
 
 #: rows per internal pass: long inputs (prefill) run in chunks of this many tokens (measured on a
-#: 350M Q4_K_M model, 512-token prefill: 128 is 20-25% faster than 32 and a little faster than
-#: 512, whose activations no longer fit L2 beside the weights a matmul task holds)
-DEFAULT_CHUNK = 128
+#: 350M Q4_K_M model, 512-token prefill, 1 thread: 256 is 3% faster than 128, which is 20-25%
+#: faster than 32; 512 is 2% slower than 128: its activations no longer stay in L2)
+DEFAULT_CHUNK = 256
 MAX_CHUNK = 512
 #: a model whose largest matrix is smaller than this runs on one thread: its kernels take less
 #: time than starting a parallel region (tiny demo model, 2 threads on loaded cores: 170 t/s
