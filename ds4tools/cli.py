@@ -278,5 +278,82 @@ def bench_cmd(model, n_prompt, n_gen, rk, threads, repeat, prompt, prompt_file, 
     click.echo(json.dumps(doc, indent=2) if as_json else render_table(doc))
 
 
+@main.command("distill")
+@click.argument("target", type=click.Path())
+@click.option("--kind", metavar="dspark|mtp", help="What to train: a DSpark block draft or an MTP head.")
+@click.option("-o", "--output", "out", type=click.Path(), metavar="OUT.gguf",
+              help="The draft to write (a JSON report is written beside it: OUT.distill.json).")
+@click.option("--data", multiple=True, type=click.Path(), metavar="PATH",
+              help="Text files or folders (read recursively) of training text and prompts; repeatable.")
+@click.option("--self-generate", type=int, default=0, show_default=True, metavar="N",
+              help="Also train on N continuations the target writes from prompts of --data "
+                   "(half greedy, half T = 1): self-distillation.")
+@click.option("--block-size", type=int, metavar="N", help="DSpark: block size [default: 8].")
+@click.option("--layers", type=int, metavar="N", help="DSpark: draft decoder layers [default: 2].")
+@click.option("--target-layers", metavar="A,B,C",
+              help="DSpark: target layers whose outputs feed the draft [default: three spread "
+                   "over the depth, never the last].")
+@click.option("--steps", type=int, metavar="N", help="Training steps.")
+@click.option("--time", "time_", metavar="DURATION",
+              help="Wall-clock budget of data preparation and training (90s, 30m, 1h).")
+@click.option("--threads", type=int, metavar="N", help="CPU threads (torch and the engine).")
+@click.option("--resume", metavar="DIR",
+              help="Run directory: checkpoints and data; a killed run continues from it.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of data and training.")
+@click.option("--eval-prompts", type=click.Path(), metavar="FILE",
+              help="Prompts for the final speculative-decoding measure (JSON list, JSON Lines, "
+                   "or one text) [default: from held-out text].")
+@click.option("--include", multiple=True, metavar="GLOB", help="In --data folders, only files named so.")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="In --data folders, skip files and folders named so (any path component).")
+@click.option("--seq-len", type=int, metavar="N", help="Tokens per training window [default: 512].")
+@click.option("--windows", type=int, metavar="N",
+              help="Training windows of --data text [default: 1024, or what a quarter of --time "
+                   "computes].")
+@click.option("--batch", type=int, metavar="N", help="Windows per step [default: 16].")
+@click.option("--anchors", type=int, default=24, show_default=True, metavar="N",
+              help="DSpark: blocks per window per step.")
+@click.option("--rollouts", type=int, default=0, show_default=True, metavar="K",
+              help="DSpark: at K anchors of every --data window, the target's greedy "
+                   "continuation (the tokens verification accepts), computed with the features; "
+                   "steps train on them first.")
+@click.option("--lr", type=float, metavar="F", help="Peak learning rate [default: 3e-3 DSpark, 2e-3 MTP].")
+@click.option("--markov-rank", type=int, default=64, show_default=True, metavar="R",
+              help="DSpark: Markov head rank.")
+@click.option("--type", "type_", default="Q8_0", show_default=True, metavar="TYPE",
+              help="Stored type of the draft's matrices: Q8_0, F16 or F32.")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Training compute: bfloat16 autocast (float32 weights) or float32.")
+@click.option("--eval-anchors", type=int, default=2000, show_default=True, metavar="N",
+              help="DSpark: held-out anchors measured at most.")
+@click.option("--eval-tokens", type=int, default=128, show_default=True, metavar="N",
+              help="Tokens generated per evaluation prompt (0: no prompt measure).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT (and its report) if they exist.")
+def distill_cmd(target, kind, out, data, self_generate, block_size, layers, target_layers, steps,
+                time_, threads, resume, seed, eval_prompts, include, exclude, seq_len, windows,
+                batch, anchors, rollouts, lr, markov_rank, type_, precision, eval_anchors,
+                eval_tokens, overwrite):
+    """Train a DSpark draft or an MTP head for TARGET.gguf (PyTorch: the `train` extra), write it
+    as a support GGUF the engine and llama.cpp load, and measure it against prompt lookup."""
+    from .distill import DistillOptions, distill, parse_duration
+    with _interrupts(), _reported_errors():
+        if kind is None:
+            raise UsageError("missing option --kind dspark|mtp")
+        if out is None:
+            raise UsageError("missing option -o OUT.gguf")
+        opts = DistillOptions(
+            kind, data=list(data), self_generate=self_generate, block_size=block_size,
+            layers=layers, target_layers=_int_list(target_layers, "--target-layers"), steps=steps,
+            time_s=None if time_ is None else parse_duration(time_), threads=threads,
+            resume=resume, seed=seed, eval_prompts=eval_prompts, include=list(include),
+            exclude=list(exclude), seq_len=seq_len, windows=windows, markov_rank=markov_rank,
+            lr=lr, batch=batch, anchors=anchors, rollouts=rollouts, type=type_.upper(),
+            precision=precision,
+            eval_anchors=eval_anchors,
+            eval_tokens=eval_tokens, overwrite=overwrite)
+        result = distill(target, out, opts, report=lambda msg: click.echo(msg, err=True))
+    click.echo(result.summary)
+
+
 if __name__ == "__main__":
     main()

@@ -68,7 +68,8 @@ def gguf_qwen3_f32(hf_qwen3, tmp_path_factory):
 def spec_files(hf_qwen3_nextn, tmp_path_factory):
     """A Q8_0 qwen3 target (hf_qwen3_nextn) with its support files for speculative decoding:
     target.gguf, mtp.gguf (its NextN layer, ds4 layout), target-nextn.gguf (the NextN layer
-    embedded), draft.gguf (a synthetic 2-layer DSpark draft, block 4, llama.cpp layout)."""
+    embedded), draft.gguf (a synthetic 2-layer DSpark draft, block 4, llama.cpp layout, reading
+    the embedding and target layer 0)."""
     from ds4tools.quantize import QuantizeOptions, quantize_model
     from tests.fixtures import support_models
     d = tmp_path_factory.mktemp("spec-files")
@@ -78,7 +79,7 @@ def spec_files(hf_qwen3_nextn, tmp_path_factory):
     quantize_model(hf_qwen3_nextn, d / "target-nextn.gguf",
                    QuantizeOptions("Q8_0", keep_nextn=True, progress=False), report=quiet)
     draft_dir, _ = support_models.build_tiny_dspark_qwen3(d / "dspark-hf", hf_qwen3_nextn, n_layers=2,
-                                                          block_size=4, target_layer_ids=(0, 1))
+                                                          block_size=4, target_layer_ids=(-1, 0))
     quantize_model(draft_dir, None, QuantizeOptions("Q8_0", dspark_out=str(d / "draft.gguf"),
                                                     target=str(hf_qwen3_nextn), progress=False),
                    report=quiet)

@@ -10,6 +10,7 @@ from gguf import GGUFValueType as V
 
 from ds4tools import formats
 from ds4tools.cli import main
+from ds4tools.errors import InvalidContentError
 from ds4tools.gguf_io import open_gguf
 from ds4tools.inspect import inspect_file
 from ds4tools.quantize import QuantizeOptions, quantize_model
@@ -56,7 +57,7 @@ def test_keys_layer_numbering_and_tokenizer(draft, gguf_qwen3_f32):
     md = f.metadata
     assert f.architecture == "dflash"
     # DeepSpec's ids name layer outputs; llama.cpp captures layer inputs: id + 1
-    assert list(md["dflash.target_layers"]) == [1, 2] and f.value_type("dflash.target_layers") == (V.ARRAY, V.INT32)
+    assert list(md["dflash.target_layers"]) == [0, 1] and f.value_type("dflash.target_layers") == (V.ARRAY, V.INT32)
     assert md["dflash.block_size"] == 4 and md["dflash.target_hidden_size"] == 256
     assert md["dflash.mask_token_id"] == md["tokenizer.ggml.mask_token_id"] == cfg["mask_token_id"]
     assert md["dflash.sample_from_anchor"] is True and md["dflash.has_confidence_head"] is True
@@ -105,13 +106,13 @@ def test_validates_clean_and_opens_for_the_engine(draft, hf_qwen3, gguf_qwen3_f3
     assert doc["kind"] == "dspark-draft" and doc["findings"] == []
     mask = open_gguf(draft["path"]).metadata["tokenizer.ggml.mask_token_id"]
     assert doc["summary"] == [
-        f"mtp/dspark: stages=2 block=4 markov_rank=32 noise_token={mask} target_layers=0,1",
-        "dflash.target_layers=1,2 (llama.cpp reads the input of each listed layer: output id + 1)"]
+        f"mtp/dspark: stages=2 block=4 markov_rank=32 noise_token={mask} target_layers=-1,0",
+        "dflash.target_layers=0,1 (llama.cpp reads the input of each listed layer: output id + 1)"]
     s = open_support(draft["path"], target=gguf_qwen3_f32)
     hp = s.hparams
     assert (s.kind, hp.layout, hp.block_size, hp.markov_rank, hp.mask_token_id) == \
         ("dspark-draft", "llama.cpp", 4, 32, mask)
-    assert hp.target_layers == [0, 1] and hp.sample_from_anchor
+    assert hp.target_layers == [-1, 0] and hp.sample_from_anchor
     assert (hp.draft.n_layer, hp.draft.n_head, hp.draft.head_dim, hp.draft.n_ff) == (2, 4, 96, 320)
     assert s.tensor("fc").name == "fc.weight" and s.tensor("attn_q", layer=1).name == "blk.1.attn_q.weight"
     assert s.tensor("conf_proj_bias").name == "conf_proj.bias"
@@ -153,7 +154,7 @@ def test_llama_cpp_messages(draft, tmp_path, case, change, want):
     assert cli_errors(bad) == (1, want)
 
 
-def test_several_defects_and_mismatched_targets(draft, hf_llama, tmp_path):
+def test_several_defects_and_mismatched_targets(draft, hf_llama, hf_qwen3, tmp_path):
     bad = rewrite_gguf(draft["path"], tmp_path / "many.gguf",
                        drop_keys=["dflash.target_layers", "dflash.block_size"], drop_tensors=["fc.weight"])
     r = cli("inspect", bad)
@@ -164,11 +165,19 @@ def test_several_defects_and_mismatched_targets(draft, hf_llama, tmp_path):
         assert line in r.stdout.splitlines()
     errs = errors(draft["path"], hf_llama)
     assert errs[0] == f"the draft's vocabulary has 416 tokens, but {hf_llama} has 384"
+    far = rewrite_gguf(draft["path"], tmp_path / "far.gguf",
+                       set_keys={"dflash.target_layers": ([1, 3], V.ARRAY, V.INT32)})
+    assert errors(far, hf_qwen3) == [
+        f"dflash.target_layers 3 reads the output of target layer 2, but {hf_qwen3} has "
+        f"2 layers"]
+    r = cli("inspect", far, "--target", hf_qwen3)
+    assert r.exit_code == 1 and "target layer 2" in r.stdout
+    # on a 1-layer target, layer 0 is the last: llama.cpp cannot capture its output
     one = hf_models.build_tiny_qwen3(tmp_path / "one", num_hidden_layers=1)
     assert errors(draft["path"], one) == [
-        f"dflash.target_layers 2 reads the output of target layer 1, but {one} has 1 layers"]
-    r = cli("inspect", draft["path"], "--target", one)
-    assert r.exit_code == 1 and "target layer 1" in r.stdout
+        f"target layer 0 (dflash.target_layers 1) is the output of the last of {one}'s 1 layers: "
+        f"llama.cpp's qwen3 graph captures only the inputs of layers 0..0 and aborts on it "
+        f"(GGML_ASSERT layer input tensor is null); a draft for llama.cpp reads layers up to -1"]
 
 
 def test_converter_refusals(draft, hf_qwen3, hf_llama, tmp_path):
@@ -192,3 +201,31 @@ def test_converter_refusals(draft, hf_qwen3, hf_llama, tmp_path):
     r = cli("quantize", draft["folder"], "--dspark-out", tmp_path / "z.gguf", "--target", hf_qwen3,
             "--dspark-block-size", "2")
     assert r.exit_code == 0 and open_gguf(tmp_path / "z.gguf").metadata["dflash.block_size"] == 2
+
+
+def test_the_last_layer_is_refused_for_llama_cpp(draft, hf_qwen3, gguf_qwen3_f32, tmp_path):
+    """llama.cpp's qwen3 / llama graphs expose the inputs of layers 0..n-1 only: a draft reading
+    the last layer's output (dflash id n) aborts there. The writer refuses it, naming the layer;
+    `inspect --target` reports such a file (written anyway for ds4tools' engine) as invalid, and
+    the engine, which reads any layer's output, still loads it."""
+    r = cli("quantize", draft["folder"], "--dspark-out", tmp_path / "x.gguf", "--target", hf_qwen3,
+            "--dspark-target-layers", "0,1")
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "target layer 1 (dflash.target_layers 2) is the output of the last of" in r.stderr
+    assert "llama.cpp's qwen3 graph captures only the inputs of layers 0..1" in r.stderr
+    assert not (tmp_path / "x.gguf").exists()
+    quantize_model(draft["folder"], None, QuantizeOptions(
+        "Q8_0", dspark_out=str(tmp_path / "y.gguf"), target=str(hf_qwen3), progress=False,
+        dspark_target_layers=[0, 1], dspark_allow_output_layer=True), report=lambda m: None)
+    want = (f"target layer 1 (dflash.target_layers 2) is the output of the last of {gguf_qwen3_f32}'s "
+            f"2 layers")
+    errs = errors(tmp_path / "y.gguf", gguf_qwen3_f32)
+    assert len(errs) == 1 and errs[0].startswith(want), errs
+    assert errors(tmp_path / "y.gguf") == []  # alone, the file is well formed
+    r = cli("inspect", tmp_path / "y.gguf", "--target", gguf_qwen3_f32)
+    assert r.exit_code == 1 and want in r.stderr
+    with pytest.raises(InvalidContentError, match="dflash.target_layers 2"):
+        open_support(tmp_path / "y.gguf", target=gguf_qwen3_f32)
+    s = open_support(tmp_path / "y.gguf", target=gguf_qwen3_f32, runtime="ds4tools")
+    assert s.hparams.target_layers == [0, 1]
+    assert [p.only for p in s.problems if p.level == "error"] == ["llama.cpp"]

@@ -69,11 +69,15 @@ _LOAD = """
 
 
 def test_llama_cpp_loads_the_draft_as_written(hf_qwen3, tmp_path):
-    folder, _ = build_tiny_dspark_qwen3(tmp_path / "draft", hf_qwen3)
+    # layers 0 and 1 (dflash 1, 2): the numbering check needs an id past 1; llama.cpp loads such
+    # a draft (it would abort only when drafting, on the missing input of layer 2), so the
+    # writer is told to write it anyway
+    folder, _ = build_tiny_dspark_qwen3(tmp_path / "draft", hf_qwen3, target_layer_ids=(0, 1))
     from ds4tools.quantize import QuantizeOptions, quantize_model
     out = tmp_path / "draft.gguf"
     quantize_model(folder, None, QuantizeOptions("Q8_0", dspark_out=str(out), target=str(hf_qwen3),
-                                                 progress=False), report=lambda m: None)
+                                                 progress=False, dspark_allow_output_layer=True),
+                   report=lambda m: None)
     cfg = json.loads((folder / "config.json").read_text())
     got = run_child(_LOAD, out)
     assert got == {"loaded": True, "target_layers": [1, 2], "block_size": "4", "n_vocab": 416,

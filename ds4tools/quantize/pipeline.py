@@ -54,6 +54,10 @@ class QuantizeOptions:
     dspark_target_layers: list[int] | None = None
     dspark_markov_rank: int | None = None
     dspark_noise_token_id: int | None = None
+    #: write a llama.cpp-layout draft reading the target's last layer, which llama.cpp cannot
+    #: capture on llama / qwen3 targets (refused otherwise): for ds4tools' engine only. Not on
+    #: the command line; the bundled demo's draft needs it (ds4tools.demo)
+    dspark_allow_output_layer: bool = False
 
 
 @dataclass

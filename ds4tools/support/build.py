@@ -5,7 +5,9 @@ tensor is written):
 - ``mtp_from_dsv4``: the ``mtp.0.*`` layer of a DeepSeek V4 checkpoint (FP8 / FP4) -> ds4 MTP;
 - ``mtp_from_gguf``: an embedded NextN layer of a model GGUF -> dense MTP (bytes kept);
 - ``dspark_draft_from_deepspec``: a DeepSpec Qwen3DSparkModel draft -> llama.cpp's dflash draft;
-- ``dspark_support_from_dsv4``: a DeepSeek V4 DSpark draft (FP8 / FP4) -> ds4's DSpark support file.
+- ``dspark_support_from_dsv4``: a DeepSeek V4 DSpark draft (FP8 / FP4) -> ds4's DSpark support file;
+- ``dspark_draft_from_arrays`` / ``mtp_from_arrays``: trained weights held in memory (``ds4tools
+  distill``), already in llama.cpp's conventions, -> llama.cpp's dflash draft / the dense MTP file.
 
 Each returns a ``Built`` (architecture, keys, tensors, notes) for ``write.write_support_gguf``.
 """
@@ -15,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 from gguf import GGUFValueType as V
 
 from ..checkpoint import ARCHITECTURES, HFCheckpoint, interleave_rope_rows, tokenizer_metadata
@@ -30,7 +33,8 @@ from .target import Dims, TargetInfo, gguf_dims, hf_config, hf_dims
 from .write import OutTensor, pick_type
 
 __all__ = ["Built", "DSparkOptions", "mtp_from_hf", "mtp_from_dsv4", "mtp_from_gguf",
-           "dspark_draft_from_deepspec", "dspark_support_from_dsv4"]
+           "dspark_draft_from_deepspec", "dspark_support_from_dsv4", "dspark_draft_from_arrays",
+           "mtp_from_arrays", "check_capturable"]
 
 
 @dataclass
@@ -49,6 +53,10 @@ class DSparkOptions:
     target_layers: list[int] | None = None
     markov_rank: int | None = None
     noise_token_id: int | None = None
+    #: write a llama.cpp-layout draft that reads the target's last layer although llama.cpp
+    #: cannot capture it (llama / qwen3 targets): only for ds4tools' engine, which runs it. Not
+    #: a command-line option; the bundled demo's draft (trained on layers 1, 3, 5 of 6) uses it.
+    allow_output_layer: bool = False
 
 
 def _check_shape(spec: TensorSpec, shape, where: str, source: str) -> None:
@@ -252,6 +260,27 @@ def _tokenizer_keys(target: TargetInfo, n_vocab: int, report) -> list[MetaKey]:
     return keys
 
 
+def check_capturable(target_info: TargetInfo, layers, where: str) -> None:
+    """Refuse a llama.cpp-layout draft reading a target layer llama.cpp cannot capture (the
+    last layer's output of a llama / qwen3 target), naming the layer."""
+    bad = dspark_llamacpp.uncapturable(target_info.arch, target_info.dims.n_layer, layers)
+    if bad:
+        raise InvalidContentError(about(where, dspark_llamacpp.uncapturable_message(
+            bad[0], target_info.arch, int(target_info.dims.n_layer), target_info.path)))
+
+
+def _dspark_draft_keys(dims: Dims, n_layer: int, block: int, stored, noise: int, target_info: TargetInfo,
+                       n_vocab: int, name: str, has_confidence: bool, report) -> list[MetaKey]:
+    keys = dspark_llamacpp.metadata_keys(
+        dims=dims, n_layer=n_layer, block_size=block, target_layers=stored,
+        mask_token_id=noise, target_hidden_size=int(target_info.dims.n_embd or dims.n_embd),
+        name=name, has_confidence=has_confidence)
+    keys += [k for k in _tokenizer_keys(target_info, n_vocab, report)
+             if k.key != "tokenizer.ggml.mask_token_id"]
+    keys.append(MetaKey("tokenizer.ggml.mask_token_id", noise, V.UINT32))
+    return keys
+
+
 def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, opts: DSparkOptions,
                     report=lambda msg: None) -> Built:
     """llama.cpp's DSpark draft (dflash + Markov head) from a DeepSpec Qwen3DSparkModel draft."""
@@ -283,15 +312,12 @@ def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, 
     block, layers, noise = _draft_values(opts, draft.block_size, draft.target_layer_ids,
                                          draft.mask_token_id, n_targets_fc, td.n_layer, n_vocab,
                                          where, None)
+    if not opts.allow_output_layer:
+        check_capturable(target_info, layers, where)
     stored = dspark_llamacpp.to_llama_layers(layers)
     dims = Dims(**{**dd.known(), "n_vocab": n_vocab})
-    keys = dspark_llamacpp.metadata_keys(
-        dims=dims, n_layer=draft.n_layer, block_size=block, target_layers=stored,
-        mask_token_id=noise, target_hidden_size=int(td.n_embd or E),
-        name=_name(folder, "DSpark draft"), has_confidence=draft.has_confidence)
-    keys += [k for k in _tokenizer_keys(target_info, n_vocab, report)
-             if k.key != "tokenizer.ggml.mask_token_id"]
-    keys.append(MetaKey("tokenizer.ggml.mask_token_id", noise, V.UINT32))
+    keys = _dspark_draft_keys(dims, draft.n_layer, block, stored, noise, target_info, n_vocab,
+                              _name(folder, "DSpark draft"), draft.has_confidence, report)
     h = _DraftShape(dims, draft.n_layer, stored, draft.markov_rank)
     specs = dspark_llamacpp.specs(h, E, n_vocab)
     by_name = {
@@ -312,6 +338,73 @@ def dspark_draft_from_deepspec(folder, target_info: TargetInfo, target: Target, 
         tensors.append(_out(s, target, _hf_source(draft.get(src_name)), where, src_name))
     notes = [f"note: {where}: {n} left out (the target's is used)" for n in draft.skipped]
     return Built(dspark_llamacpp.ARCH, keys, tensors, draft.paths, notes)
+
+
+def _array_tensors(specs, arrays: dict, target: Target, where: str) -> list[OutTensor]:
+    """OutTensors of in-memory float arrays (numpy order) named as the specs name them; a
+    required tensor that is missing or misshapen is an error, optional ones may be left out."""
+    unknown = sorted(set(arrays) - {s.name for s in specs})
+    if unknown:
+        raise InvalidContentError(about(where, f"tensor '{unknown[0]}' has no place in the layout"))
+    out = []
+    for spec in specs:
+        a = arrays.get(spec.name)
+        if a is None:
+            if spec.required:
+                raise InvalidContentError(about(where, f"tensor '{spec.name}' is missing"))
+            continue
+        a = np.ascontiguousarray(a, np.float32)
+        _check_shape(spec, a.shape, where, f"tensor '{spec.name}'")
+        out.append(OutTensor(spec.name, tuple(int(d) for d in a.shape),
+                             pick_type(spec, target, tuple(reversed(a.shape))),
+                             load=lambda a=a: a, src_type="F32", src_bytes=a.nbytes))
+    return out
+
+
+def dspark_draft_from_arrays(arrays: dict, target_info: TargetInfo, target: Target, *, draft: Dims,
+                             n_layer: int, block_size: int, target_layers, mask_token_id: int,
+                             name: str, extra_keys=(), report=lambda msg: None) -> Built:
+    """llama.cpp's DSpark draft from trained weights: ``arrays`` maps the dflash tensor names
+    (``fc.weight``, ``blk.0.attn_q.weight``... ``conf_proj.bias``) to float32 arrays in numpy
+    order (a torch Linear's [out, in]); ``draft`` is the backbone (hidden, heads, head dim,
+    feed-forward, rope, eps); ``target_layers`` in DeepSpec numbering (layer outputs)."""
+    where = target_info.path
+    if target_info.arch not in ("qwen3", "llama"):
+        raise UsageError(about(where, f"a {target_info.arch} model; llama.cpp's DSpark layout is "
+                                      f"written for qwen3 and llama targets"))
+    td = target_info.dims
+    n_vocab = td.n_vocab
+    block, layers, noise = _draft_values(DSparkOptions(), block_size, list(target_layers),
+                                         mask_token_id, None, td.n_layer, n_vocab, where, None)
+    check_capturable(target_info, layers, where)
+    w1 = arrays.get("markov_w1.weight")
+    if w1 is None:
+        raise InvalidContentError(about(where, "tensor 'markov_w1.weight' is missing"))
+    rank = int(np.shape(w1)[1])
+    stored = dspark_llamacpp.to_llama_layers(layers)
+    dims = Dims(**{**draft.known(), "n_vocab": n_vocab})
+    keys = _dspark_draft_keys(dims, n_layer, block, stored, noise, target_info, n_vocab, name,
+                              "conf_proj.weight" in arrays, report) + list(extra_keys)
+    specs = dspark_llamacpp.specs(_DraftShape(dims, n_layer, stored, rank), dims.n_embd, n_vocab)
+    return Built(dspark_llamacpp.ARCH, keys, _array_tensors(specs, arrays, target, where), [where])
+
+
+def mtp_from_arrays(arrays: dict, target_info: TargetInfo, target: Target, *, name: str,
+                    extra_keys=()) -> Built:
+    """The dense MTP support file (ds4's layout) from a trained NextN layer: ``arrays`` maps
+    the ``mtp.0.*`` names to float32 arrays in numpy order, in llama.cpp's conventions (the
+    target's rope pairing: no row reordering is done here)."""
+    where = target_info.path
+    arch = target_info.arch
+    if arch not in ("qwen3", "llama"):
+        raise UsageError(about(where, f"a {arch} model; the dense MTP layout is written for qwen3 "
+                                      f"and llama targets"))
+    dims = target_info.dims
+    qk_norm = (mtp.PREFIX + "attn_q_norm.weight") in arrays
+    specs = mtp.dense_specs(dims, qk_norm=qk_norm)
+    keys = mtp.metadata_keys(arch, dims, int(dims.n_layer),
+                             [MetaKey("general.name", name, V.STRING), *extra_keys])
+    return Built(mtp.arch_for(arch), keys, _array_tensors(specs, arrays, target, where), [where])
 
 
 class _DraftShape:

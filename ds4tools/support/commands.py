@@ -69,7 +69,8 @@ def _dspark_options(options) -> build.DSparkOptions:
     return build.DSparkOptions(block_size=options.dspark_block_size,
                                target_layers=options.dspark_target_layers,
                                markov_rank=options.dspark_markov_rank,
-                               noise_token_id=options.dspark_noise_token_id)
+                               noise_token_id=options.dspark_noise_token_id,
+                               allow_output_layer=options.dspark_allow_output_layer)
 
 
 def quantize_support(src, out, options, report, quantize_main) -> list[str]:

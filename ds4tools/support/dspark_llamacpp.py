@@ -16,9 +16,13 @@ anchor-first block), ``dflash.has_confidence_head``, the standard Qwen3 backbone
 target's tokenizer.
 
 Layer numbering: llama.cpp captures the *input* of each listed target layer
-(``llama_set_embeddings_layer_inp``; an id equal to the layer count means the final, pre-norm
-hidden state), while DeepSpec's ``target_layer_ids`` name the layer whose *output* is used. So
-``dflash.target_layers`` = DeepSpec id + 1 (see docs/support-gguf.md).
+(``llama_set_embeddings_layer_inp``), while DeepSpec's ``target_layer_ids`` name the layer whose
+*output* is used. So ``dflash.target_layers`` = DeepSpec id + 1 (see docs/support-gguf.md).
+llama.cpp's llama and qwen3 graphs expose the inputs of layers 0..n-1 only: an id equal to the
+layer count (DeepSpec's last layer, the target's output) has no tensor there and llama.cpp
+aborts (``GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input tensor is null")``). The
+writer refuses such a draft and ``validate`` with a target reports it (``uncapturable``);
+ds4tools' engine, which reads the raw output of any layer, still runs it.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from .layout import LLAMA_CPP, Kind, Problems, TensorSpec, check_tensor
 from .target import Dims, TargetInfo
 
 __all__ = ["ARCH", "ARCHS", "specs", "validate", "metadata_keys", "read_hparams", "DraftHparams",
-           "summary_lines", "to_llama_layers", "from_llama_layers", "blocks_present"]
+           "summary_lines", "to_llama_layers", "from_llama_layers", "blocks_present",
+           "INPUT_CAPTURE_ARCHS", "uncapturable", "uncapturable_message"]
 
 ARCH = "dflash"
 ARCHS = ("dflash", "dspark")
@@ -46,6 +51,27 @@ def to_llama_layers(deepspec_ids) -> list[int]:
 
 def from_llama_layers(stored) -> list[int]:
     return [int(i) - 1 for i in stored]
+
+
+#: target architectures whose llama.cpp graphs expose only the inputs of layers 0..n-1 to the
+#: draft (llama.cpp's src/models/llama.cpp, qwen3.cpp): the last layer's output is not there
+INPUT_CAPTURE_ARCHS = ("llama", "qwen3")
+
+
+def uncapturable(target_arch: str | None, n_layer: int | None, deepspec_ids) -> list[int]:
+    """The DeepSpec layer ids (outputs) llama.cpp cannot capture on this target: the last
+    layer's output (dflash id n_layer) for llama / qwen3 targets."""
+    if target_arch not in INPUT_CAPTURE_ARCHS or n_layer is None:
+        return []
+    return [int(i) for i in deepspec_ids if int(i) + 1 >= int(n_layer)]
+
+
+def uncapturable_message(layer: int, target_arch: str, n_layer: int, where: str) -> str:
+    """Why llama.cpp cannot run a draft reading DeepSpec layer ``layer`` of this target."""
+    return (f"target layer {layer} (dflash.target_layers {layer + 1}) is the output of the last "
+            f"of {where}'s {n_layer} layers: llama.cpp's {target_arch} graph captures only the "
+            f"inputs of layers 0..{n_layer - 1} and aborts on it (GGML_ASSERT layer input "
+            f"tensor is null); a draft for llama.cpp reads layers up to {n_layer - 2}")
 
 
 class DraftHparams:
@@ -254,5 +280,9 @@ def _pair(out: Problems, h: DraftHparams, target: TargetInfo, arch: str) -> None
             if stored > td.n_layer:
                 out.error(f"{arch}.target_layers {stored} reads the output of target layer "
                           f"{stored - 1}, but {target.path} has {td.n_layer} layers")
+        inside = [x for x in from_llama_layers(h.target_layers) if x + 1 <= td.n_layer]
+        for layer in uncapturable(target.arch, td.n_layer, inside):
+            out.error(uncapturable_message(layer, target.arch, td.n_layer, target.path),
+                      only="llama.cpp")
     if h.mask_token is not None and td.n_vocab is not None and h.mask_token >= td.n_vocab:
         out.error(f"the mask token {h.mask_token} is outside the target's {td.n_vocab} tokens")

@@ -60,6 +60,9 @@ class TensorSpec:
 class Problem:
     level: str  # "error" or "warning"
     message: str
+    #: the one program the problem stops ("llama.cpp"), when others run the file anyway
+    #: (ds4tools' engine runs a draft that reads the target's last layer; llama.cpp cannot)
+    only: str | None = None
 
     def __str__(self) -> str:
         return f"{self.level}: {self.message}"
@@ -69,8 +72,8 @@ class Problem:
 class Problems:
     items: list[Problem] = field(default_factory=list)
 
-    def error(self, msg: str) -> None:
-        self.items.append(Problem("error", msg))
+    def error(self, msg: str, only: str | None = None) -> None:
+        self.items.append(Problem("error", msg, only))
 
     def warning(self, msg: str) -> None:
         self.items.append(Problem("warning", msg))
@@ -81,6 +84,12 @@ class Problems:
     @property
     def errors(self) -> list[str]:
         return [p.message for p in self.items if p.level == "error"]
+
+    def errors_for(self, runtime: str | None) -> list[str]:
+        """The errors that stop ``runtime`` (None: every error): a problem that stops only
+        another program is left out."""
+        return [p.message for p in self.items
+                if p.level == "error" and (runtime is None or p.only in (None, runtime))]
 
     def __iter__(self):
         return iter(self.items)

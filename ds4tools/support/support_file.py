@@ -132,11 +132,14 @@ def _hparams_draft(f: GGUFFile, target: TargetInfo | None):
                           sample_from_anchor=h.sample_from_anchor, draft=draft), specs
 
 
-def open_support(path, target=None, *, strict: bool = True) -> SupportFile:
+def open_support(path, target=None, *, strict: bool = True, runtime: str | None = None) -> SupportFile:
     """Open and validate a support GGUF (``target``: a path or TargetInfo to check the pair).
 
     Raises ``InvalidContentError`` naming the first problem (all of them in ``.findings``) when
-    the file is not a support file or, with ``strict``, when it has errors."""
+    the file is not a support file or, with ``strict``, when it has errors. ``runtime``
+    ("ds4tools": the engine) ignores the errors that stop only another program (a draft
+    reading the target's last layer, which llama.cpp cannot capture); they stay in
+    ``.problems``."""
     path = os.fspath(path)
     if target is not None and not isinstance(target, TargetInfo):
         target = open_target(target)
@@ -146,8 +149,8 @@ def open_support(path, target=None, *, strict: bool = True) -> SupportFile:
         what = "not a usable support GGUF: it holds" if det.kind else "not a support GGUF: it is"
         raise InvalidContentError(about(path, f"{what} {det.found}"))
     problems = validate_support(f, det.kind, target)
-    if strict and problems.errors:
-        errors = problems.errors
+    errors = problems.errors_for(runtime)
+    if strict and errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise InvalidContentError(about(path, errors[0] + more),
                                   findings=[about(path, m) for m in errors])

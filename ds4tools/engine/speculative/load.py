@@ -99,7 +99,9 @@ def _dspark_from_support(sf, target_hp: HParams, int8: str) -> DSparkWeights:
 def open_support_for(path, target_path, target_hp: HParams, int8: str):
     """(kind, weights) for a support GGUF checked against the target: "mtp" -> MtpHeadWeights,
     "dspark" -> DSparkWeights. Problems raise the errors ``inspect`` reports."""
-    sf = open_support(path, target=target_path)
+    # runtime="ds4tools": a draft that only llama.cpp cannot run (it reads the target's last
+    # layer, which llama.cpp's llama/qwen3 graphs do not expose) runs here
+    sf = open_support(path, target=target_path, runtime="ds4tools")
     try:
         if sf.kind == MTP_KIND:
             return "mtp", _mtp_from_support(sf, target_hp, int8)
