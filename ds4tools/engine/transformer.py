@@ -35,6 +35,9 @@ MAX_CHUNK = 512
 #: time than starting a parallel region (tiny demo model, 2 threads on loaded cores: 170 t/s
 #: against 540 t/s on one). The same compiled kernels run either way, so results are the same.
 SINGLE_THREAD_BELOW_BYTES = 1 << 20
+#: ... except for batches of at least this many rows (prefill), whose kernels are long enough to
+#: split over the threads (demo model, 512-token prefill on 2 threads: 13.5-15K t/s against 9.5K)
+SINGLE_THREAD_BELOW_ROWS = 64
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -141,9 +144,10 @@ class Transformer:
         self.single_thread = max(lin.nbytes for lin in weights.linears()) < SINGLE_THREAD_BELOW_BYTES
 
     @contextmanager
-    def threads(self):
-        """The thread count for this model's kernels: one for a small model, else as set."""
-        if not self.single_thread:
+    def threads(self, rows: int = 1):
+        """The thread count for this model's kernels on batches of ``rows`` rows: one for a
+        small model's short batches, else as set."""
+        if not self.single_thread or rows >= SINGLE_THREAD_BELOW_ROWS:
             yield
             return
         n = numba.get_num_threads()
@@ -207,7 +211,7 @@ class Transformer:
             if not 0 <= i < self.hp.n_layer:
                 raise ValueError(f"hidden layer {i} outside 0..{self.hp.n_layer - 1}")
 
-        with self.threads():
+        with self.threads(min(k, self.chunk)):
             return self._forward(tokens, start_pos, hidden_layers, want_final_hidden, logits, cache)
 
     def _forward(self, tokens, start_pos, hidden_layers, want_final_hidden, logits, cache):
