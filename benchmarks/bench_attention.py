@@ -1,4 +1,4 @@
-"""Attention and swiglu kernels against their previous versions (kept here), same run.
+"""Attention and swiglu kernels against their previous versions, same run.
 
 Attention: a chunk of k query rows (causal: row t sees keys [0, n_ctx - k + t + 1)) against
 a float32 cache of n_ctx keys, 16 query heads over 8 kv heads, head_dim 64 (the 350M qwen3).
@@ -17,56 +17,18 @@ import time
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ds4tools.engine import kernels  # noqa: E402
-from ds4tools.engine.kernels import NEG_INF, exp_f32  # noqa: E402
+from ds4tools.engine.kernels import exp_f32  # noqa: E402
 
 
-# --- the previous kernels: three passes per (row, head), a horizontal sum per key ------------
-
-@njit(cache=True, fastmath=True, error_model="numpy")
-def _old_attend(q, keys, values, n_visible, scale, scores, acc, out):
-    hd = q.shape[0]
-    m = NEG_INF
-    for j in range(n_visible):
-        s = np.float32(0.0)
-        for i in range(hd):
-            s += q[i] * keys[j, i]
-        s *= scale
-        scores[j] = s
-        m = max(m, s)
-    total = np.float32(0.0)
-    for j in range(n_visible):
-        e = exp_f32(scores[j] - m)
-        scores[j] = e
-        total += e
-    for i in range(hd):
-        acc[i] = np.float32(0.0)
-    for j in range(n_visible):
-        w = scores[j]
-        for i in range(hd):
-            acc[i] += w * values[j, i]
-    inv = np.float32(1.0) / total
-    for i in range(hd):
-        out[i] = acc[i] * inv
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def old_attention_f32(q, cache_k, cache_v, limits, scale, out):
-    k, n_head, hd = q.shape
-    group = n_head // cache_k.shape[0]
-    for job in prange(k * n_head):
-        t = job // n_head
-        h = job - t * n_head
-        g = h // group
-        n_visible = limits[t]
-        scores = np.empty(n_visible, np.float32)
-        acc = np.empty(hd, np.float32)
-        _old_attend(q[t, h], cache_k[g], cache_v[g], n_visible, scale, scores, acc, out[t, h])
-
+# --- the previous kernels -----------------------------------------------------------------
+# The previous attention (three passes per (row, head), a horizontal sum per key) still lives in
+# kernels.py as the fallback for head dims that are no multiple of 16: kernels._attention_scalar.
+# The previous swiglu (serial, scalar in place) is kept here.
 
 @njit(cache=True, fastmath=True, error_model="numpy")
 def old_swiglu(gate, up, out):
@@ -116,7 +78,7 @@ def main(argv=None):
             limits = np.arange(n_ctx - k + 1, n_ctx + 1, dtype=np.int64)
             out = np.empty_like(q)
             best = _best({
-                "old": lambda: old_attention_f32(q, cache_k, cache_v, limits, scale, out),
+                "old": lambda: kernels._attention_scalar(q, cache_k, cache_v, limits, scale, out),
                 "new": lambda: kernels.attention_f32(q, cache_k, cache_v, limits, scale, out),
             }, args.repeat)
             pairs = int(limits.sum()) * n_head
