@@ -160,27 +160,30 @@ def _k_runner(name, vnni, avx2):
     _int8dot.USE_VNNI, _int8dot.USE_AVX2 = vnni, avx2
     try:
         unpack = getattr(_int8dot, "UNPACK_K_" + name)
-        aff = _int8dot.K_AFFINE[kind]
-        d42 = _int8dot.DOT_K_4x2_AFF if aff else _int8dot.DOT_K_4x2_SYM
-        d41 = _int8dot.DOT_K_4x1_AFF if aff else _int8dot.DOT_K_4x1_SYM
+        aff, paired = _int8dot.K_AFFINE[kind], _int8dot.K_PAIRED[kind]
+        d42, d41 = ((_int8dot.DOT_K_4x2_PAIR, _int8dot.DOT_K_4x1_PAIR) if paired else
+                    (_int8dot.DOT_K_4x2_AFF, _int8dot.DOT_K_4x1_AFF) if aff else
+                    (_int8dot.DOT_K_4x2_SYM, _int8dot.DOT_K_4x1_SYM))
         ksum = _int8dot.KSUM
+        ts = formats.FORMATS[name].type_size
 
         @njit
         def run(raw, lut, xq, dx, dxs, run_groups, out):
             n_out = raw.shape[0]
             k, n_in = xq.shape
-            nsb = n_in // 256
+            nsb = raw.shape[1] // ts
+            n_groups = (nsb + 1) // 2 if paired else nsb
             w = np.empty((4, n_in), np.uint8)
-            dw = np.empty((4, n_in // 16), np.float32)
-            m = np.empty((4, n_in // 16), np.float32)
-            corr = np.empty((4, n_in // 16), np.int32)
+            dw = np.empty((4, 16 * n_groups), np.float32)
+            m = np.empty((4, 16 * n_groups), np.float32)
+            corr = np.empty((4, 16 * n_groups), np.int32)
             acc = np.empty((4 * k, 16), np.float32)
             for r0 in range(0, n_out, 4):
                 for i in range(4):
                     unpack(raw[min(r0 + i, n_out - 1)], lut, w[i], dw[i], m[i], corr[i], nsb)
                 acc[:, :] = 0
-                for g0 in range(0, nsb, run_groups):
-                    g1 = min(nsb, g0 + run_groups)
+                for g0 in range(0, n_groups, run_groups):
+                    g1 = min(n_groups, g0 + run_groups)
                     for t in range(0, k - 1, 2):
                         d42(w, dw, m, corr, xq, dx, dxs, acc, g0, g1, t)
                     if k % 2:
@@ -209,10 +212,16 @@ def test_int8_integer_routes_bit_identical(name):
     kind = KQUANTS.index(name)
     act = quantize_activations(x, "Q8_K")
     k = x.shape[0]
-    xq = np.empty((k, n_in), np.uint8)
-    dx = np.empty((k, n_in // 256), np.float32)
-    dxs = np.empty((k, n_in // 16 if kquants.K_AFFINE[kind] else 1), np.float32)
-    kquants._prep_act_k(act.q, act.d, act.sums, 0 if kquants.K_AFFINE[kind] else 128, xq, dx, dxs)
+    if kquants.K_PAIRED[kind]:  # groups of two super-blocks (5 -> 3 groups, the last half empty)
+        xq = np.empty((k, 512 * 3), np.uint8)
+        dx, dxs = np.empty((k, 16 * 3), np.float32), np.empty((k, 16 * 3), np.float32)
+        kquants._prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs)
+    else:
+        xq = np.empty((k, n_in), np.uint8)
+        dx = np.empty((k, n_in // 256), np.float32)
+        dxs = np.empty((k, n_in // 16 if kquants.K_AFFINE[kind] else 1), np.float32)
+        kquants._prep_act_k(act.q, act.d, act.sums, 0 if kquants.K_AFFINE[kind] else 128, xq, dx,
+                            dxs)
     for vnni, avx2 in ((True, True), (False, True), (False, False)):
         run = _k_runner(name, vnni, avx2)
         for run_groups in (1, 2, 5):

@@ -869,8 +869,11 @@ DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
 # === K-quants (Q2_K..Q6_K): a 256-value super-block as one group of 16 sub-blocks of 16 =========
 # (appended for the K-quants' int8 path, kquants.py; nothing above depends on it.)
 # A super-block is one group of KGROUP_BYTES: chunk c (c = 0..3) holds values 4c..4c+3 of each
-# of its 16 sub-blocks of 16 values, sub-block i at bytes 64c + 4i .. 64c + 4i + 3 (Q4_K and
-# Q5_K's sub-blocks of 32 are two lanes with the same scale). UNPACK_K_* build that layout
+# of its 16 sub-blocks of 16 values, sub-block i at bytes 64c + 4i .. 64c + 4i + 3. Q4_K and
+# Q5_K, whose scales cover sub-blocks of 32, use the K pair layout instead (K_PAIRED): two
+# super-blocks per group of KPAIR_BYTES, lane i = sub-block i % 8 of the pair's super-block
+# i // 8, chunk c (0..7) = its values 4c..4c+3, so that one float step serves 512 values (an
+# odd last super-block: the second half zero). UNPACK_K_* build these layouts
 # straight from the packed bits into a row's scratch (FUSED_K1_* / FUSED_K2_* the same in
 # registers, dotted at once with 1 or 2 tokens), a chunk being one word permutation of the raw
 # quants (vpermd / vpermt2d), a per-lane shift or rotate (vpsrlvd / vprolvd) and a mask, plus
@@ -878,15 +881,16 @@ DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
 # * affine formats (Q2_K, Q4_K, Q5_K): unsigned quants u = q (<= 31) and the offset
 #   m = -dmin * (the sub-block's min); the activations stay signed int8 and bring, per
 #   sub-block, dxs = dx * bsum (Q8_K's sums of 16);
-# * symmetric ones (Q3_K, Q6_K): signed quants w = q (-4..3, -32..31) and corr = 128 * sum(w)
-#   per sub-block; the activations come as unsigned bytes x + 128, so that
-#   sum (x + 128) w - corr = sum x w (no per-token correction to load).
+# * symmetric ones (Q3_K, Q6_K): signed quants w = q (-4..3, -32..31) and corr = -128 * sum(w)
+#   per sub-block; the activations come as unsigned bytes x + 128, and the integer dot starts
+#   at corr: corr + sum (x + 128) w = sum x w (no per-token correction to load).
 # The tiles (DOT_K_RxT_*: R weight rows x T tokens, all loads shared) take per chunk one
 # unsigned x signed byte dot adding groups of 4 into 16 int32 lanes (_dot_chunk: vpdpbusd with
 # VNNI, vpmaddubsw + vpmaddwd on AVX2 - no saturation: |pair| <= 2 * 255 * 32 - generic IR
 # elsewhere), lane i = sub-block i's exact sum, then per lane and group:
-#     acc = fma(float(isum [- corr]), dw * dx, acc)   [affine: acc = fma(m, dxs, acc)]
-# (llvm.fma: one rounding on every target; dx is the activations' scale of the super-block),
+#     acc = fma(float(isum), dw * dx, acc)   [affine: acc = fma(m, dxs, acc)]
+# (llvm.fma: one rounding on every target; dx is the activations' scale of the lane's
+# super-block),
 # and KSUM (the fused kernels likewise) adds an accumulator's 16 lanes in a fixed tree at the
 # end. The same float sequence runs per (row, token) whatever the tile or fused kernel, the
 # integer route, k or the thread split.
@@ -901,40 +905,55 @@ KGROUP_CHUNKS = 4
 #: symmetric formats' unpacked quants are q = stored - offset) and whether it has mins
 K_WEIGHT_OFFSET = (0, 4, 0, 0, 32)
 K_AFFINE = (True, False, True, True, False)
+#: per kind: whether a group is a pair of super-blocks (Q4_K, Q5_K: their sub-blocks of 32
+#: values fill the 16 lanes from two super-blocks, so the float work per value halves), else
+#: one super-block (lane = a sub-block of 16 values)
+K_PAIRED = (False, False, True, True, False)
+#: values (bytes) per group of a paired kind; an odd last super-block fills the first half
+KPAIR_BYTES = 512
+KPAIR_CHUNKS = 8
 
 
-def _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine):
+def _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine, paired=False):
     """Groups g0..g1-1 of the dots of the weight rows ``rows`` ((w, dw, m, corr) pointers) with
     the tokens ``toks`` ((x, dx, dxs) pointers), continuing the 16-lane float accumulators at
-    acc_ptrs[r][t] and storing them back."""
+    acc_ptrs[r][t] and storing them back. Paired groups (K_PAIRED) are 512 bytes and their dx
+    is 16 floats per group (a super-block's d on its 8 lanes), else dx is one float per group."""
     v64i8, v16i32, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
     route = _route(context, True)
     fma = _intrinsic_fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
     pairs = [(r, t) for r in range(len(rows)) for t in range(len(toks))]
     acc0 = [builder.load(acc_ptrs[r][t], align=4) for r, t in pairs]
 
+    n_chunks, gbytes = (KPAIR_CHUNKS, KPAIR_BYTES) if paired else (KGROUP_CHUNKS, KGROUP_BYTES)
+
     def body(g, accs):
-        base = builder.mul(g, _const(KGROUP_BYTES))
-        isum = {rt: ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16) for rt in pairs}
-        for c in range(KGROUP_CHUNKS):
+        base = builder.mul(g, _const(gbytes))
+        gb = builder.mul(g, _const(KGROUP_LANES))
+        if affine:
+            isum = {rt: ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16) for rt in pairs}
+        else:  # the dots start at -128 * sum(w): the same integers as subtracting it after
+            corr = [_load(builder, r[3], gb, v16i32, 4) for r in rows]
+            isum = {(r, t): corr[r] for r, t in pairs}
+        for c in range(n_chunks):
             off = builder.add(base, _const(64 * c))
             wv = [_load(builder, r[0], off, v64i8) for r in rows]
             xv = [_load(builder, t[0], off, v64i8) for t in toks]
             for r, t in pairs:  # the unsigned operand first
                 a, b = (wv[r], xv[t]) if affine else (xv[t], wv[r])
                 isum[r, t] = _dot_chunk(builder, isum[r, t], a, b, route)
-        gb = builder.mul(g, _const(KGROUP_LANES))
         dws = [_load(builder, r[1], gb, v16f, 4) for r in rows]
-        dxs = [splat(builder, builder.load(builder.gep(t[1], [g])), 16) for t in toks]
+        if paired:
+            dxs = [_load(builder, t[1], gb, v16f, 4) for t in toks]
+        else:
+            dxs = [splat(builder, builder.load(builder.gep(t[1], [g])), 16) for t in toks]
         if affine:
             ms = [_load(builder, r[2], gb, v16f, 4) for r in rows]
             dxss = [_load(builder, t[2], gb, v16f, 4) for t in toks]
-        else:
-            corr = [_load(builder, r[3], gb, v16i32, 4) for r in rows]
         out = []
         for (r, t), acc in zip(pairs, accs):
-            s = isum[r, t] if affine else builder.sub(isum[r, t], corr[r])
-            acc = builder.call(fma, [builder.sitofp(s, v16f), builder.fmul(dws[r], dxs[t]), acc])
+            acc = builder.call(fma, [builder.sitofp(isum[r, t], v16f), builder.fmul(dws[r], dxs[t]),
+                                     acc])
             if affine:
                 acc = builder.call(fma, [ms[r], dxss[t], acc])
             out.append(acc)
@@ -945,7 +964,7 @@ def _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine):
         builder.store(acc, acc_ptrs[r][t], align=4)
 
 
-def _make_dot_k(n_rows, n_toks, affine):
+def _make_dot_k(n_rows, n_toks, affine, paired=False):
     @intrinsic
     def dot(typingctx, w, dw, m, corr, x, dx, dxs, acc, g0, g1, tok):
         for a, dt in ((w, types.uint8), (x, types.uint8), (dw, types.float32), (m, types.float32),
@@ -969,7 +988,7 @@ def _make_dot_k(n_rows, n_toks, affine):
                                                                           _const(n_rows)), _const(r))),
                                          ir.VectorType(_F32, 16).as_pointer())
                          for t in range(n_toks)] for r in range(n_rows)]
-            _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine)
+            _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine, paired)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -979,10 +998,12 @@ def _make_dot_k(n_rows, n_toks, affine):
         groups g0..g1-1. The 16-lane float accumulator of (row r, token t) is row
         t * {n_rows} + r of acc (float32, 16 columns): zero it, call once per run of groups, in
         order, then KSUM gives the result (bit-identical whatever the runs and tiles).
-        w, x: uint8 bit patterns (rows, 256 * ngroups) in the K group layout
+        w, x: uint8 bit patterns (rows, {512 if paired else 256} * ngroups) in the K
+        {"pair" if paired else "group"} layout
         ({"w unsigned quants, x signed int8" if affine else "w signed quants, x unsigned x + 128"});
-        dw, m (float32), corr (int32): (rows, 16 * ngroups) per sub-block; dx float32 (k,
-        ngroups) per super-block; dxs float32 (k, 16 * ngroups). {"Reads m and dxs, not corr"
+        dw, m (float32), corr (int32): (rows, 16 * ngroups) per lane; dx float32
+        {"(k, 16 * ngroups) per lane" if paired else "(k, ngroups) per super-block"}; dxs float32
+        (k, 16 * ngroups). {"Reads m and dxs, not corr"
         if affine else "Reads corr, not m and dxs"}. No bounds checks."""
     return dot
 
@@ -991,6 +1012,8 @@ def _make_dot_k(n_rows, n_toks, affine):
 #: symmetric (Q3_K, Q6_K)
 DOT_K_4x2_AFF, DOT_K_4x1_AFF = _make_dot_k(4, 2, True), _make_dot_k(4, 1, True)
 DOT_K_4x2_SYM, DOT_K_4x1_SYM = _make_dot_k(4, 2, False), _make_dot_k(4, 1, False)
+#: and over paired groups (Q4_K, Q5_K)
+DOT_K_4x2_PAIR, DOT_K_4x1_PAIR = _make_dot_k(4, 2, True, True), _make_dot_k(4, 1, True, True)
 #: rows per K tile (the accumulators' row numbering depends on it)
 K_TILE_ROWS = 4
 
@@ -1071,7 +1094,8 @@ def _emit_unpack_sb(builder, route, kind, rp, lutp, sb):
     """IR for super-block sb (i64) of the raw row at rp (i8*) of K-quant ``kind``: its 4 chunks
     of quants (<64 x i8>: unsigned q for the affine formats, signed q for Q3_K and Q6_K) in the
     K group layout, and per lane the float scale dw, the offset m (affine; else None) and corr
-    (Q3_K, Q6_K: 128 * the lane's sum of quants, <16 x i32>; else None)."""
+    (Q3_K, Q6_K: -128 * the lane's sum of quants, <16 x i32>, where the lane's integer dot
+    starts; else None)."""
     ts = (84, 110, 144, 176, 210)[kind]
     offset = K_WEIGHT_OFFSET[kind]
     L = range(16)
@@ -1134,6 +1158,8 @@ def _emit_unpack_sb(builder, route, kind, rp, lutp, sb):
         bsum = builder.add(builder.add(qv[0], qv[1]), builder.add(qv[2], qv[3]))
         corr = _dot_chunk(builder, ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16),
                           _splat(-128, _I8, 64), bsum, route)
+        # negated once here: the token dots start from it instead of subtracting it per token
+        corr = builder.sub(ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16), corr)
     # per-lane scales (and mins)
     mn = None
     if kind == 0:  # scales[j]: scale | min << 4, fp16 d, dmin at 80, 82
@@ -1168,13 +1194,98 @@ def _emit_unpack_sb(builder, route, kind, rp, lutp, sb):
     return qv, dw, m, corr
 
 
+def _emit_unpack_pair(builder, kind, rp, lutp, pair, half=False):
+    """IR for the pair group ``pair`` (i64: super-blocks 2 pair and 2 pair + 1) of the raw Q4_K /
+    Q5_K row at rp: 8 chunks of unsigned quants (<64 x i8>) in the K pair layout, lane i =
+    sub-block i % 8 of super-block 2 pair + i // 8, chunk c = values 32 (i % 8) + 4c .. + 3 of
+    it; and per lane dw = d * scale and m = -dmin * min (<16 x float>). ``half``: the row ends
+    after super-block 2 pair; lanes 8..15 are zeros (quants, dw) and -0.0 (m) without reading
+    past it."""
+    ts = (84, 110, 144, 176, 210)[kind]
+    q0 = 16 if kind == 2 else 48
+    J = [i % 8 for i in range(16)]  # a lane's sub-block within its super-block
+    v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+    v16i8, v16f = ir.VectorType(_I8, 16), ir.VectorType(_F32, 16)
+    offs = [builder.mul(builder.add(builder.mul(pair, _const(2)), _const(s)), _const(ts))
+            for s in range(1 if half else 2)]
+    at = lambda s, k: builder.add(offs[s], _const(k))  # noqa: E731
+
+    def both(load_one, zero):  # one value per super-block (zero for the missing half)
+        return [load_one(s) for s in range(len(offs))] + ([zero] if half else [])
+
+    # qs: byte 32h + l, nibble n holds value 64h + 32n + l: sub-block j = 2h + n, l = 4c + e,
+    # that is word 8 (j // 2) + c of the super-block's 128 bytes, shifted by 4 (j % 2)
+    zq = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+    lo = both(lambda s: _load(builder, rp, at(s, q0), v16i32), zq)
+    hi = both(lambda s: _load(builder, rp, at(s, q0 + 64), v16i32), zq)
+    if kind == 3:  # qh: bit j of byte 4c + e is bit 4 of value 32j + 4c + e
+        qh = both(lambda s: _load(builder, rp, at(s, 16), v8i32),
+                  ir.Constant(v8i32, [ir.Constant(_I32, 0)] * 8))
+    chunks = [None] * KPAIR_CHUNKS
+    for c in range(4):  # chunks c and c + 4 share their word shuffles
+        halves = [builder.shuffle_vector(lo[s], hi[s], _mask([8 * (j // 2) + c for j in range(8)]
+                                                              + [8 * (j // 2) + c + 4 for j in range(8)]))
+                  for s in range(2)]
+        for cc, sel in ((c, list(range(8)) + list(range(16, 24))),
+                        (c + 4, list(range(8, 16)) + list(range(24, 32)))):
+            v = builder.shuffle_vector(halves[0], halves[1], _mask(sel))
+            v = builder.and_(builder.lshr(v, _vconst([4 * (j % 2) for j in J], _I32)),
+                             _splat(0x0F0F0F0F, _I32))
+            if kind == 3:
+                hb = builder.shuffle_vector(qh[0], qh[1], _mask([cc] * 8 + [8 + cc] * 8))
+                fshl = _intrinsic_fn(builder, "llvm.fshl.v16i32", v16i32, [v16i32] * 3)
+                hb = builder.call(fshl, [hb, hb, _vconst([(4 - j) % 32 for j in J], _I32)])
+                v = builder.or_(v, builder.and_(hb, _splat(0x10101010, _I32)))
+            chunks[cc] = builder.bitcast(v, ir.VectorType(_I8, 64))
+
+    # get_scale_min_k4(j) from each super-block's 12 bytes at 4 (bytes 0..15 and 16..31 below)
+    def bytes12(s):
+        v = _load(builder, rp, at(s, 4), ir.VectorType(_I32, 3))
+        return builder.bitcast(builder.shuffle_vector(v, v, _mask([0, 1, 2, 2])), v16i8)
+
+    sb = both(bytes12, ir.Constant(v16i8, [ir.Constant(_I8, 0)] * 16))
+    base = [16 * (i // 8) for i in range(16)]
+
+    def lanes(idx, shifts, masks):  # per lane (byte base + idx >> shift) & mask, as i32
+        v = builder.zext(builder.shuffle_vector(sb[0], sb[1], _mask([b + k for b, k in zip(base, idx)])),
+                         v16i32)
+        if any(shifts):
+            v = builder.lshr(v, _vconst(shifts, _I32))
+        return builder.and_(v, _vconst(masks, _I32))
+
+    lo4 = [63 if j < 4 else 15 for j in J]
+    hi2 = [0 if j < 4 else 3 for j in J]
+    sc = builder.or_(lanes([j if j < 4 else j + 4 for j in J], [0] * 16, lo4),
+                     builder.shl(lanes([max(j - 4, 0) for j in J], [6] * 16, hi2), _splat(4, _I32)))
+    mn = builder.or_(lanes([j + 4 for j in J], [0 if j < 4 else 4 for j in J], lo4),
+                     builder.shl(lanes(J, [6] * 16, hi2), _splat(4, _I32)))
+
+    def fp16(s, k, neg=False):
+        bits = builder.zext(_load(builder, rp, at(s, k), _I16), _I64)
+        v = builder.load(builder.gep(lutp, [bits]))
+        return builder.fsub(ir.Constant(_F32, -0.0), v) if neg else v  # exact negation
+
+    def per_half(vals):  # two scalars -> 8 lanes each
+        return builder.shuffle_vector(splat(builder, vals[0], 16), splat(builder, vals[1], 16),
+                                      _mask(list(range(8)) + list(range(24, 32))))
+
+    zf = ir.Constant(_F32, 0.0)
+    d = per_half(both(lambda s: fp16(s, 0), zf))
+    dmin = per_half(both(lambda s: fp16(s, 2, True), ir.Constant(_F32, -0.0)))
+    dw = builder.fmul(builder.sitofp(sc, v16f), d)
+    m = builder.fmul(builder.sitofp(mn, v16f), dmin)
+    return chunks, dw, m
+
+
 def _make_unpack_k(kind):
     @intrinsic
     def unpack(typingctx, rr, lut, w, dw, m, corr, nsb):
         """Super-blocks 0..nsb-1 of one raw row rr (uint8) -> quants w (uint8 bit patterns, 256
         per super-block) in the K group layout and per sub-block of 16: the float scale dw,
-        the offset m (Q2_K, Q4_K, Q5_K) or corr = 128 * sum(w) (Q3_K, Q6_K; int32); the other
-        array is not touched. No bounds checks."""
+        the offset m (Q2_K, Q4_K, Q5_K) or corr = -128 * sum(w) (Q3_K, Q6_K; int32); the other
+        array is not touched. Q4_K, Q5_K (K_PAIRED): groups of two super-blocks in the K pair
+        layout, 512 bytes and 16 lanes (sub-blocks of 32) per group, ceil(nsb / 2) groups (an
+        odd last super-block padded with zero quants and scales). No bounds checks."""
         sig = types.void(rr, lut, w, dw, m, corr, nsb)
 
         def codegen(context, builder, sig, args):
@@ -1183,21 +1294,37 @@ def _make_unpack_k(kind):
             v64i8 = ir.VectorType(_I8, 64)
             route = _route(context, True)
 
-            def body(sb, _):
-                qv, dwv, mv, corrv = _emit_unpack_sb(builder, route, kind, rp, lutp, sb)
-                base = builder.mul(sb, _const(KGROUP_BYTES))
-                for c in range(4):
+            def put(g, qv, dwv, mv, corrv):
+                base = builder.mul(g, _const(64 * len(qv)))
+                for c in range(len(qv)):
                     p = builder.bitcast(builder.gep(wp, [builder.add(base, _const(64 * c))]),
                                         v64i8.as_pointer())
                     builder.store(qv[c], p, align=1)
-                lb = builder.mul(sb, _const(KGROUP_LANES))
+                lb = builder.mul(g, _const(KGROUP_LANES))
                 for ptr, v in ((dwp, dwv), (mp, mv), (cp, corrv)):
                     if v is not None:
                         builder.store(v, builder.bitcast(builder.gep(ptr, [lb]), v.type.as_pointer()),
                                       align=4)
-                return []
 
-            _loop(builder, _as_i64(builder, args[6]), [], body, "kunpack")
+            nsb = _as_i64(builder, args[6])
+            if K_PAIRED[kind]:
+                def pair_body(half):
+                    def body(g, _):
+                        qv, dwv, mv = _emit_unpack_pair(builder, kind, rp, lutp, g, half)
+                        put(g, qv, dwv, mv, None)
+                        return []
+                    return body
+
+                whole = builder.udiv(nsb, _const(2))
+                _loop(builder, whole, [], pair_body(False), "kunpack2")
+                _loop(builder, builder.udiv(builder.add(nsb, _const(1)), _const(2)), [],
+                      pair_body(True), "kunpack1", start=whole)
+            else:
+                def body(sb, _):
+                    put(sb, *_emit_unpack_sb(builder, route, kind, rp, lutp, sb))
+                    return []
+
+                _loop(builder, nsb, [], body, "kunpack")
             return context.get_dummy_value()
 
         return sig, codegen
@@ -1212,6 +1339,7 @@ UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K, UNPACK_K_Q5_K, UNPACK_K_Q6_K = (
 
 def _make_fused_k(kind, n_rows, n_toks):
     affine = K_AFFINE[kind]
+    ts = (84, 110, 144, 176, 210)[kind]
 
     @intrinsic
     def fused(typingctx, raw, lut, x, dx, dxs, tok, row, n_out):
@@ -1251,19 +1379,49 @@ def _make_fused_k(kind, n_rows, n_toks):
                 for i, rp in enumerate(rps):
                     qv, dwv, mv, corrv = _emit_unpack_sb(builder, route, kind, rp, lutp, sb)
                     for t in range(n_toks):
-                        isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+                        isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16) if affine else corrv
                         for c in range(4):
                             a, b = (qv[c], xv[t][c]) if affine else (xv[t][c], qv[c])
                             isum = _dot_chunk(builder, isum, a, b, route)
-                        s = isum if affine else builder.sub(isum, corrv)
-                        acc = builder.call(fma, [builder.sitofp(s, v16f), builder.fmul(dwv, dxv[t]),
+                        acc = builder.call(fma, [builder.sitofp(isum, v16f), builder.fmul(dwv, dxv[t]),
                                                  accs[i * n_toks + t]])
                         if affine:
                             acc = builder.call(fma, [mv, dxsv[t], acc])
                         out.append(acc)
                 return out
 
-            accs = _loop(builder, nsb, [(v16f, zero)] * (n_rows * n_toks), body, "kfused")
+            def pair_body(half):  # Q4_K, Q5_K: groups of two super-blocks (see UNPACK_K_*)
+                def body(g, accs):
+                    base = builder.mul(g, _const(KPAIR_BYTES))
+                    gb = builder.mul(g, _const(KGROUP_LANES))
+                    xv = [[_load(builder, xp, builder.add(base, _const(64 * c)), v64i8)
+                           for c in range(KPAIR_CHUNKS)] for xp, _, _ in toks]
+                    dxv = [_load(builder, dxp, gb, v16f, 4) for _, dxp, _ in toks]
+                    dxsv = [_load(builder, dxsp, gb, v16f, 4) for _, _, dxsp in toks]
+                    out = []
+                    for i, rp in enumerate(rps):
+                        qv, dwv, mv = _emit_unpack_pair(builder, kind, rp, lutp, g, half)
+                        for t in range(n_toks):
+                            isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+                            for c in range(KPAIR_CHUNKS):
+                                isum = _dot_chunk(builder, isum, qv[c], xv[t][c], route)
+                            acc = builder.call(fma, [builder.sitofp(isum, v16f),
+                                                     builder.fmul(dwv, dxv[t]), accs[i * n_toks + t]])
+                            out.append(builder.call(fma, [mv, dxsv[t], acc]))
+                    return out
+                return body
+
+            init = [(v16f, zero)] * (n_rows * n_toks)
+            if K_PAIRED[kind]:
+                ra = context.make_array(sig.args[0])(context, builder, args[0])
+                nsb = builder.udiv(builder.extract_value(ra.shape, 1), _const(ts))
+                whole = builder.udiv(nsb, _const(2))
+                accs = _loop(builder, whole, init, pair_body(False), "kfused2")
+                accs = _loop(builder, builder.udiv(builder.add(nsb, _const(1)), _const(2)),
+                             list(zip([v16f] * len(accs), accs)), pair_body(True), "kfused1",
+                             start=whole)
+            else:
+                accs = _loop(builder, nsb, init, body, "kfused")
             return context.make_tuple(builder, sig.return_type,
                                       [tree_sum_f32(builder, a) for a in accs])
 
