@@ -106,12 +106,10 @@ def demo_support_path(kind: str, progress: bool = True, report=None) -> Path:
         quantize_model(src, None, QuantizeOptions(DEMO_TYPE, mtp_out=str(out), only_support=True,
                                                   progress=progress, overwrite=True), report=quiet)
     else:
-        # The demo's draft reads target layers 1, 3, 5 of 6: the last is the target's output,
-        # which llama.cpp cannot capture on a qwen3 target (`inspect --target` says so), but
-        # the engine runs it; to be retrained on layers llama.cpp exposes (ds4tools distill).
+        # the demo's draft reads target layers 1, 3, 4 of 0..5 (ds4tools distill's default):
+        # layers whose outputs llama.cpp exposes to a draft, so the writer's check passes
         quantize_model(draft_src, None, QuantizeOptions(DEMO_TYPE, dspark_out=str(out), target=str(src),
-                                                        progress=progress, overwrite=True,
-                                                        dspark_allow_output_layer=True), report=quiet)
+                                                        progress=progress, overwrite=True), report=quiet)
     return out
 
 

@@ -1,6 +1,7 @@
 """Support GGUFs of the bundled demo model (ds4tools/data/demo): its target's NextN layer as an
 MTP support file and its DeepSpec DSpark draft as llama.cpp's dflash draft, both validated
-against the converted target and compared with the checkpoint's values."""
+against the converted target (for the draft: every target layer it reads is one llama.cpp
+exposes) and compared with the checkpoint's values."""
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +27,10 @@ def demo(tmp_path_factory):
     quiet = lambda m: None  # noqa: E731
     quantize_model(DEMO / "target", d / "target.gguf",
                    QuantizeOptions("Q8_0", mtp_out=str(d / "mtp.gguf"), progress=False), report=quiet)
-    # the demo's draft reads the target's last layer (5 of 0..5), which llama.cpp cannot
-    # capture: written as ds4tools.demo writes it, for the engine
+    # written as ds4tools.demo writes it: the writer's check that llama.cpp can capture every
+    # target layer the draft reads is on
     quantize_model(DEMO / "dspark", None, QuantizeOptions("Q8_0", dspark_out=str(d / "draft.gguf"),
-                                                          target=str(DEMO / "target"), progress=False,
-                                                          dspark_allow_output_layer=True),
+                                                          target=str(DEMO / "target"), progress=False),
                    report=quiet)
     return d
 
@@ -66,19 +66,18 @@ def test_demo_mtp_support_file(demo):
 
 
 def test_demo_dspark_draft(demo):
-    # Valid for ds4tools' engine, not for llama.cpp: its last target layer (dflash id 6 of a
-    # 6-layer qwen3) is the model's output, which llama.cpp's qwen3 graph does not expose.
-    # `inspect --target` says so, and nothing else; the engine loads the file. (The bundled
-    # draft is to be retrained on layers llama.cpp captures, e.g. `ds4tools distill`'s 1,3,4.)
-    doc = inspect_file(str(demo / "draft.gguf"), target=str(demo / "target.gguf"))
-    errs = [x for x in doc["findings"] if x["level"] == "error"]
-    assert doc["kind"] == "dspark-draft" and not doc["valid"] and len(errs) == 1, doc["findings"]
-    assert errs[0]["message"].startswith("target layer 5 (dflash.target_layers 6) is the output of "
-                                         "the last of ")
+    # Valid for llama.cpp too: it reads target layers 1, 3, 4 (dflash ids 2, 4, 5), whose
+    # outputs are the inputs of layers 2, 4, 5 that llama.cpp's qwen3 graph exposes; the last
+    # layer's output (dflash id 6) is not among them.
+    doc = _valid(demo / "draft.gguf", demo / "target.gguf")
+    assert doc["kind"] == "dspark-draft"
+    assert not [x for x in doc["findings"] if x["level"] == "error"], doc["findings"]
     assert inspect_file(str(demo / "draft.gguf"))["valid"]
     import json
     cfg = json.loads((DEMO / "dspark" / "config.json").read_text())
     f = open_gguf(demo / "draft.gguf")
+    assert cfg["target_layer_ids"] == [1, 3, 4]
+    assert list(f.metadata["dflash.target_layers"]) == [2, 4, 5]
     assert list(f.metadata["dflash.target_layers"]) == [i + 1 for i in cfg["target_layer_ids"]]
     assert f.metadata["dflash.block_size"] == cfg["block_size"]
     assert f.metadata["tokenizer.ggml.mask_token_id"] == cfg["mask_token_id"]

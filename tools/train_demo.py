@@ -2,8 +2,9 @@
 """Train the bundled demo model and write ds4tools/data/demo/ (see that directory's README.md).
 
 Stages (each resumable; finished stages are recorded in <workdir>/stages.json and skipped):
-corpus + tokenizer -> target -> MTP layer -> DSpark self-distilled data -> DSpark draft ->
-evaluation -> export (f16 safetensors, configs, tokenizer, model card).
+corpus + tokenizer -> target -> MTP layer -> DSpark draft (`ds4tools distill` on the target
+converted to Q8_0, docs/distill.md; then tools/demo/import_distilled.py) -> evaluation -> export
+(f16 safetensors, configs, tokenizer, model card).
 
     python tools/train_demo.py                 # full run, ~2 h on 2 idle cores
     python tools/train_demo.py --smoke         # tiny end-to-end run into runs/demo_smoke
@@ -62,14 +63,11 @@ def main(argv=None) -> int:
     stages = read_json(stages_path) if stages_path.exists() else {}
     # A finished stage must have run with this plan's settings for it (prefix = stage).
     old_plan = stages.get("plan", {})
-    data_keys = {"ds_windows", "ds_window_len", "ds_anchors_per_window", "ds_min_anchor", "ds_gen_batch"}
     for key, value in plan.as_dict().items():
         if key in ("checkpoint_every", "log_every"):
             continue
         prefix = key.split("_")[0]
-        stage = {"target": "target", "mtp": "mtp", "eval": "eval", "seed": "corpus"}.get(prefix)
-        if prefix == "ds":
-            stage = "dspark_data" if key in data_keys else "dspark"
+        stage = {"target": "target", "mtp": "mtp", "ds": "dspark", "eval": "eval", "seed": "corpus"}.get(prefix)
         if key in old_plan and old_plan[key] != value and stage in stages:
             print(f"{work}: stage {stage} finished with {key}={old_plan[key]}, plan now says {value}; "
                   "use another --workdir", file=sys.stderr)
@@ -139,26 +137,14 @@ def main(argv=None) -> int:
         torch.save(model.state_dict(), work / "target_shipped.pt")
         done("mtp", metrics=metrics)
 
-    # 4. DSpark data
-    if "dspark_data" not in stages:
-        from demo.dspark_data import build_dataset
-        torch.manual_seed(plan.seed + 2)
-        metrics = build_dataset(plan, work, log)
-        done("dspark_data", metrics=metrics, wall_s=metrics["wall_s"])
-
-    # 5. DSpark draft
+    # 4. DSpark draft: `ds4tools distill` on the engine's features of the target (Q8_0), its
+    # run directory imported under DeepSpec's names (work/dspark_shipped.pt)
     if "dspark" not in stages:
-        from demo.train_dspark import train_dspark
-        from demo.model import DraftShape, DSparkDraft, TargetShape
-        torch.manual_seed(plan.seed + 3)
-        metrics = train_dspark(plan, work, log)
-        draft = DSparkDraft(TargetShape(), DraftShape())
-        draft.load_state_dict(torch.load(work / "dspark_final.pt"))
-        round_to_shipped_(draft)
-        torch.save(draft.state_dict(), work / "dspark_shipped.pt")
+        from demo.import_distilled import distill_draft
+        metrics = distill_draft(plan, work, log)
         done("dspark", metrics=metrics)
 
-    # 6. evaluation
+    # 5. evaluation
     prompts_text = read_json(work / "prompts.json")
     if "eval" not in stages:
         from tokenizers import Tokenizer
@@ -169,7 +155,7 @@ def main(argv=None) -> int:
         metrics = evaluate(plan, work, log, prompts)
         done("eval", metrics=metrics)
 
-    # 7. export
+    # 6. export
     from tokenizers import Tokenizer
     from demo.card import make_card
     from demo.evaluate import load_shipped
@@ -187,7 +173,6 @@ def main(argv=None) -> int:
         "tokenizer": stages["corpus"]["tokenizer"],
         "target": stages["target"]["metrics"],
         "mtp": stages["mtp"]["metrics"],
-        "dspark_data": stages["dspark_data"]["metrics"],
         "dspark": stages["dspark"]["metrics"],
         "eval": stages["eval"]["metrics"],
         "plan": plan.as_dict(),
@@ -196,23 +181,22 @@ def main(argv=None) -> int:
         "n_prompts": len(prompts_text),
         "timings": {
             "corpus_s": stages["corpus"]["wall_s"],
-            "dspark_data_s": stages["dspark_data"]["wall_s"],
         },
     }
     if (work / "step_times.json").exists():
         bench = metrics["step_times_uncontended"] = read_json(work / "step_times.json")
         long_steps = plan.target_steps - math.ceil(plan.target_long_from * plan.target_steps)
-        shards = -(-plan.ds_windows // plan.ds_gen_batch)
         per = {k: v["seconds_per_step"] for k, v in bench.items()}
+        # the DSpark stage: distill's own wall time (its run's clock)
         metrics["timings"]["estimated_uncontended_s"] = round(
             metrics["timings"]["corpus_s"]
             + (plan.target_steps - long_steps) * per["target"]
             + long_steps * per.get("target_long", per["target"])
-            + plan.mtp_steps * per["mtp"] + shards * per["dspark_data"] + plan.ds_steps * per["dspark"]
+            + plan.mtp_steps * per["mtp"] + metrics["dspark"]["wall_s"]
             + metrics["eval"]["wall_s"], 1)
     metrics["timings"]["total_wall_s"] = round(
         metrics["timings"]["corpus_s"] + metrics["target"]["wall_s"] + metrics["mtp"]["wall_s"]
-        + metrics["timings"]["dspark_data_s"] + metrics["dspark"]["wall_s"] + metrics["eval"]["wall_s"], 1)
+        + metrics["dspark"]["wall_s"] + metrics["eval"]["wall_s"], 1)
     # Sizes: write once to measure, then again with the measured sizes in the card.
     for _ in range(3):
         sizes = {

@@ -1,6 +1,5 @@
 """DSpark: the draft, its initialization from the target, a training batch and DeepSpec's loss
-(docs/distill.md; DeepSpec's recipe, deepspec/modeling/dspark/loss.py, as the demo
-trains it in tools/demo/train_dspark.py).
+(docs/distill.md; DeepSpec's recipe, deepspec/modeling/dspark/loss.py).
 
 A batch takes windows of the training text and, in each, anchors a: the block
 ``[x_a, mask x (B-1)]`` at positions a..a+B-1 sees the target features of the window's rows

@@ -7,8 +7,7 @@ inference (the same kernels, the same weights), so a draft is trained on what it
 DSpark rollouts (``--rollouts K``): at K anchors of each text window, the target's own greedy
 continuation of ``block`` tokens and its final hidden state along it, from the engine
 (``target_rollouts``): the tokens a draft must propose there and the distributions it learns
-them from, as the demo's self-distilled data (tools/demo/dspark_data.py) but through the
-engine's forward.
+them from (self-distilled data), through the engine's forward.
 
 Stored on disk in the run directory as float16 ``.npy`` memory maps (float32 when a value does
 not fit float16), filled window by window so an interrupted run continues. Torch-free.

@@ -55,7 +55,7 @@ class DSparkOptions:
     noise_token_id: int | None = None
     #: write a llama.cpp-layout draft that reads the target's last layer although llama.cpp
     #: cannot capture it (llama / qwen3 targets): only for ds4tools' engine, which runs it. Not
-    #: a command-line option; the bundled demo's draft (trained on layers 1, 3, 5 of 6) uses it.
+    #: a command-line option; only tests use it (the bundled demo's draft reads layers 1, 3, 4 of 6).
     allow_output_layer: bool = False
 
 

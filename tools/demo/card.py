@@ -39,22 +39,21 @@ def _tau_table(ev: dict) -> str:
 
 def _shortfall(m: dict) -> str:
     """Why a goal was missed, from this run's own figures (the card must not guess)."""
-    tgt, ev, ds = m["target"], m["eval"], m["dspark"]
+    tgt, ev = m["target"], m["eval"]
     curve = ", ".join(f"{s}: {loss:.2f}" for s, loss in tgt["heldout_loss_history"])
-    val_tau = ds["validation"][-1][1]
-    rising = len(ds["validation"]) > 2 and val_tau > ds["validation"][-3][1]
     return f"""
 **Where the shortfall comes from.** The stdlib corpus is small for the step budget: the target saw its
 {m['tokenizer']['train_tokens']:,} train tokens {tgt['epochs']:.1f} times and ends at
 {tgt['train_windows_loss_fp32_weights']:.2f} nats/token on train windows against
 {ev['target_heldout_loss']:.2f} on held-out files; the held-out loss barely moved after step 3000
-({curve}). Where the target is sure, its drafters agree with it: DSpark τ on never-trained train-split
-windows is {val_tau:.2f}{' (still rising at the last steps)' if rising else ''}, {ev['generated_greedy']['dspark']['tau']:.2f} on the
-target's own greedy generations, against {ho_tau(ev):.2f} on held-out text; MTP agrees
-{ev['generated_greedy']['mtp_agreement_two_ahead']:.2f} along greedy generations against
-{ev['mtp_heldout']['agreement_with_target_two_ahead']:.2f} on held-out text. Tried (short runs, figures
-above): windows vs anchors per step, greedy-heavy batches, learning rates. What would move it: a larger
-corpus than one Python's stdlib (the issue fixes the corpus), or a larger DSpark step budget.
+({curve}). Where the target is sure, its drafters agree with it: DSpark τ is
+{ev['generated_greedy']['dspark']['tau']:.2f} on the target's own greedy generations against {ho_tau(ev):.2f}
+on held-out text; MTP agrees {ev['generated_greedy']['mtp_agreement_two_ahead']:.2f} along greedy generations
+against {ev['mtp_heldout']['agreement_with_target_two_ahead']:.2f} on held-out text. Tried for the draft
+(short runs, docs/distill.md's recipe trials): windows and blocks per step, learning rates, the
+target's self-generated text, its greedy rollouts as labels; kept: 16 windows × 24 blocks a step and
+LR 6e-3. What would move it: a larger corpus than one Python's stdlib (the issue fixes the corpus), or
+a longer DSpark run (those trials gained about 0.1 τ per doubling of the step count).
 """
 
 
@@ -62,9 +61,86 @@ def ho_tau(ev: dict) -> float:
     return ev["heldout_text"]["dspark"]["tau"]
 
 
+def _dspark_training(m: dict) -> str:
+    """The DSpark draft's training bullets, from its ``ds4tools distill`` report (metrics "dspark")."""
+    ds, c, dsh = m["dspark"], m["corpus"], m["draft_shape"]
+    n = m["target_shape"]["num_hidden_layers"]
+    o, r, d, ee = ds["options"], ds["resolved"], ds["data"], ds["engine_evaluation"]
+    layers = dsh["target_layer_ids"]
+    accept = " ".join(f"{a:.2f}" for a in ds["final_ema"]["accept"])
+    h = ee["heldout"]
+    pr = ee.get("prompts")
+    prompts = ""
+    if pr:
+        same = "identical to" if pr["greedy_identical_to_plain"] else "NOT identical to"
+        prompts = (f"; speculative decoding of the {pr['prompts']} prompts × {pr['tokens_per_prompt']} tokens: "
+                   f"greedy τ {pr['greedy']['draft']['tau']:.3f} (prompt lookup {pr['greedy']['lookup']['tau']:.3f}), "
+                   f"output {same} plain decoding; T=1 τ {pr['t1']['draft']['tau']:.3f} "
+                   f"({pr['t1']['lookup']['tau']:.3f})")
+    empty = c["file_count"] - d["files"]
+    files = (f"the {c['file_count']} less {empty} empty ones" if empty > 0 and d["bytes_read"] == c["total_bytes"]
+             else f"{d['bytes_read']:,} bytes")
+    if o.get("time_s"):
+        steps = (f"{ds['steps']} steps: {ds['train_s'] / 60:.1f} min of training on {o['threads']} threads of an "
+                 f"idle machine after {d['features_seconds'] / 60:.1f} min of features (`--time` fixed the step "
+                 f"count from its first steps; `tools/train_demo.py` passes it as `--steps {ds['steps']}`, "
+                 "which gives the same schedule and batches)")
+    else:
+        steps = (f"{ds['steps']} steps (`tools/train_demo.py` runs the command with `--steps {ds['steps']}` in "
+                 f"place of `--time 30m`): {ds['train_s'] / 60:.1f} min of training on {o['threads']} threads "
+                 f"after {d['features_seconds'] / 60:.1f} min of features")
+    check = ds.get("llama_server_check")
+    if check:
+        on = f", on {check['draft_file']}" if check.get("draft_file") else ""
+        server = (f"It runs in llama.cpp's server (`{check['command']}`): greedy text identical with and "
+                  f"without the draft on {check['identical']}/{check['prompts']} prompts checked "
+                  f"(`{check['tool']}`{on}).")
+    else:
+        server = ("`tools/llama_server_check.py` runs it in llama.cpp's server (`llama-server -m target.gguf "
+                  "-md dspark.gguf --spec-type draft-dspark`) and compares the greedy text with the server's "
+                  "without it.")
+    prev = ds.get("previous_draft")
+    previous = ""
+    if prev:
+        previous = (f"\n- It replaces the previous bundled draft ({prev['trained_by']}), which read target layers "
+                    f"{prev['target_layer_ids']}, the last of them the target's output, so that llama.cpp could "
+                    f"not run it; by the protocol below it measured held-out τ {prev['heldout_tau']:.3f}.")
+    return f"""- **DSpark draft**: trained by `ds4tools distill` (docs/distill.md) on the engine's own features
+  of the target as ds4tools ships it (`target/` converted to a Q8_0 GGUF, `ds4tools.demo.demo_model_path`):
+  one engine forward per training window gives the raw outputs of target layers {layers} and the
+  final hidden state, whose softmax through the target's head is what the draft learns; embedding and
+  lm_head are the target's (from that GGUF), frozen. The command (docs/distill.md, "The 30-minute
+  runs"; `STD` the stdlib path above, `DEMO` that GGUF):
+
+  ```bash
+  {ds['command'].replace(chr(10), chr(10) + '  ')}
+  ```
+
+  Data: {d['files']} files of the same corpus ({files}), the same held-out split
+  ({d['heldout_files']} files, never trained on); {d['text_windows']} random train windows of {d['seq_len']}
+  tokens, no self-generated text, no rollouts. Each step takes {r['batch_windows']} windows and
+  {r['blocks_per_window']} random text anchors of each: block `[x_a, <|mask|> × {dsh['block_size'] - 1}]`
+  learns the window's next tokens and the target's distributions along the window. Loss (DeepSpec):
+  {ds['loss']}; Markov input teacher-forced on the window's tokens; {r['optimizer']}, peak LR
+  {o['lr']:g}, {r['warmup_steps']} warm-up steps, then cosine to 5%; {o['precision']} autocast; seed {o['seed']}.
+  Initialised from the target: the layers from its last {dsh['num_draft_layers']}, `fc` passing the last
+  feature (layer {layers[-1]}) through, the final norm its own, Markov W2 and the confidence head at
+  zero. {steps}; {ds['parameters_trainable']:,} trainable parameters. Final training EMA of the per-slot
+  acceptance (1 − TV, teacher-forced): {accept}. distill's own measure (the engine, Q8_0 target and
+  draft): held-out τ {h['dspark']['tau']:.3f} at block {h['block']} over {h['dspark']['n']:,} anchors
+  (conf cut 0.5: {h['dspark_conf_cut_0.5']['tau']:.3f}; prompt lookup {h['prompt_lookup']['tau']:.3f}){prompts}.
+- **Target layers {layers}**, not the last ({n - 1}): llama.cpp's qwen3 and llama graphs expose to a
+  draft only the inputs of layers 0..{n - 1} (the raw outputs of layers -1..{n - 2}), and abort on a draft
+  that asks for the last layer's output (`GGML_ASSERT(t_layer_inp[il] != nullptr && "layer input tensor
+  is null")`); distill's default, three layers spread from 1 to n-2, is {layers} here
+  (`dflash.target_layers` {", ".join(str(i + 1) for i in layers)} in the GGUF). `ds4tools inspect DRAFT.gguf
+  --target TARGET.gguf` checks that. {server}{previous}"""
+
+
 def make_card(m: dict) -> str:
-    c, tk, tg, mtp, dd, ds, ev = (m["corpus"], m["tokenizer"], m["target"], m["mtp"], m["dspark_data"],
-                                 m["dspark"], m["eval"])
+    c, tk, tg, mtp, ds, ev = m["corpus"], m["tokenizer"], m["target"], m["mtp"], m["dspark"], m["eval"]
+    dsh = m["draft_shape"]
+    layers = dsh["target_layer_ids"]
     sizes, plan, times = m["sizes"], m["plan"], m["timings"]
     bench = m.get("step_times_uncontended")
     tgt_cfg = m["target_shape"]
@@ -83,7 +159,8 @@ def make_card(m: dict) -> str:
                        + bench_lines + "\n")
         if est:
             bench_lines += (f"\nEstimated uncontended total: **{est / 60:.0f} min** (these per-step times × the "
-                            "step counts, plus corpus preparation and evaluation as measured in this run).\n")
+                            "step counts, plus corpus preparation, the DSpark stage's `ds4tools distill` run and "
+                            "evaluation as measured in this run).\n")
     return f"""# ds4tools demo model: a small Qwen3 target with an MTP layer and a DSpark draft
 
 Trained from scratch on CPU by `tools/train_demo.py` (PyTorch, the `train` extra) on the Python
@@ -94,7 +171,7 @@ wheel. It is a toy language model of Python source; do not expect it to write us
 | directory | what | tensors | parameters | bytes |
 |---|---|---|---|---|
 | `target/` | `Qwen3ForCausalLM` + one NextN/MTP layer (`num_nextn_predict_layers: 1`), f16 | {sizes['target_tensors']} | {sizes['target_params']:,} (trunk {tg['parameters_trunk']:,}, MTP {mtp['parameters']:,}) | {sizes['target_bytes']:,} |
-| `dspark/` | DeepSpec `Qwen3DSparkModel` draft, f16 (embedding and lm_head are the target's, not stored) | {sizes['dspark_tensors']} | {sizes['dspark_params']:,} | {sizes['dspark_bytes']:,} |
+| `dspark/` | DeepSpec `Qwen3DSparkModel` draft trained by `ds4tools distill`, f16 (embedding and lm_head are the target's, not stored) | {sizes['dspark_tensors']} | {sizes['dspark_params']:,} | {sizes['dspark_bytes']:,} |
 | `target/tokenizer.json` | byte-level BPE, vocab {tk['vocab_size']} | | | {sizes['tokenizer_bytes']:,} |
 | everything in `ds4tools/data/demo` | | | | {sizes['total_bytes']:,} (limit 12 MB) |
 
@@ -147,9 +224,9 @@ stored torch `[out, in]` weight. E = `model.embed_tokens.weight` [V, H]; `lm_hea
   In decoding, once the target has produced h_i and the token t_(i+1), MTP row i drafts t_(i+2); its
   KV cache holds one row per committed position.
 - **DSpark draft** (`dspark/`, DeepSpec `Qwen3DSparkModel`, anchor-first blocks, B = {m['draft_shape']['block_size']}):
-  - context rows: `ctx(t) = hidden_norm(fc [r_1(t); r_3(t); r_5(t)])` (`target_layer_ids`
-    {m['draft_shape']['target_layer_ids']}, concatenated in that order; **raw** layer outputs, the last
-    one included; `fc.weight` [H, 3H]);
+  - context rows: `ctx(t) = hidden_norm(fc [{'; '.join(f'r_{i}(t)' for i in layers)}])` (`target_layer_ids`
+    {layers}, concatenated in that order; **raw** layer outputs, not the last layer's: llama.cpp
+    exposes only the inputs of layers 0..{tgt_cfg['num_hidden_layers'] - 1} to a draft; `fc.weight` [H, {len(layers)}H]);
   - in **each** of the {m['draft_shape']['num_draft_layers']} draft layers the same ctx rows give keys
     `RoPE_t(k_norm(k_proj ctx(t)))` and values `v_proj ctx(t)` **without** `input_layernorm` (as DeepSpec);
   - block rows: `[E[anchor], E[<|mask|>] x {m['draft_shape']['block_size'] - 1}]` at positions a..a+{m['draft_shape']['block_size'] - 1},
@@ -176,8 +253,7 @@ stored torch `[out, in]` weight. E = `model.embed_tokens.weight` [V, H]; `lm_hea
 | corpus + tokenizer | {c['file_count']} files | {times['corpus_s']:.0f} s |
 | target | {plan['target_steps']} steps × {plan['target_batch']}×{plan['target_seq']} tokens ({tg['tokens_seen']:,} tokens, {tg['epochs']:.1f} epochs) | {tg['wall_s'] / 60:.1f} min |
 | MTP layer | {plan['mtp_steps']} steps × {plan['mtp_batch']}×{plan['mtp_seq']} | {mtp['wall_s'] / 60:.1f} min |
-| DSpark data | {dd['windows']} windows × {plan['ds_anchors_per_window']} anchors × 2 rollouts = {dd['blocks']:,} blocks | {times['dspark_data_s'] / 60:.1f} min |
-| DSpark draft | {plan['ds_steps']} steps × {ds['blocks_per_step']} blocks ({ds['epochs']:.1f} epochs) | {ds['wall_s'] / 60:.1f} min |
+| DSpark draft | `ds4tools distill`: {ds['steps']} steps × {ds['resolved']['batch_windows']} windows × {ds['resolved']['blocks_per_window']} blocks ({ds['data']['text_windows']} windows of {ds['data']['seq_len']} tokens) | {ds['wall_s'] / 60:.1f} min |
 | evaluation | | {ev['wall_s'] / 60:.1f} min |
 
 - **Target**: AdamW (0.9, 0.95), weight decay {plan['target_wd']} on matrices, peak LR {plan['target_lr']:g},
@@ -189,25 +265,13 @@ stored torch `[out, in]` weight. E = `model.embed_tokens.weight` [V, H]; `lm_hea
   {tg['loss_history'][-1][1]:.4f}.
 - **MTP layer**: trained after the target, target frozen; decoder initialised from the target's last
   layer; loss {mtp['loss']}; final EMA KL {mtp['loss_history'][-1][1]:.3f}, CE {mtp['loss_history'][-1][2]:.3f}.
-- **DSpark data (self-distilled)**: {dd['windows']} random train windows of {dd['window_len']} tokens,
-  {plan['ds_anchors_per_window']} random anchors each (positions ≥ {plan['ds_min_anchor']}),
-  {dd['anchors']:,} anchors; from every anchor two target rollouts of {m['draft_shape']['block_size']} tokens
-  (greedy, and sampled at T=1), branching off the window's KV cache; stored: the raw outputs of target
-  layers {m['draft_shape']['target_layer_ids']} for the window, the rollout tokens and the target's final
-  hidden along them (its softmax is recomputed with lm_head).
-- **DSpark draft**: layers initialised from the target's last two, `fc` from the identity on the last
-  target layer, Markov W2 and the confidence head at zero; embedding and lm_head frozen (the target's).
-  Loss (DeepSpec): {ds['loss']}; Markov input teacher-forced on the rollout tokens; AdamW, peak LR
-  {plan['ds_lr']:g}, cosine; each step takes {plan['ds_windows_per_step']} windows and
-  {plan['ds_anchors_per_step']} random anchors of each (their greedy rollouts, plus the T=1 rollouts of
-  {plan['ds_sampled_per_step']} of them): in short trial runs on an early target checkpoint, many windows
-  per step beat many anchors per window (held-out τ 1.89 against 1.68 at equal blocks), greedy-heavy
-  batches beat half-and-half (1.95) and LR 3e-3 beat 2e-3 (2.05); {ds['parameters_trainable']:,}
-  trainable parameters. Validation on
-  never-trained train-split windows (own greedy chain vs the stored greedy rollouts): τ by step
-  {', '.join(f"{s}: {t:.2f}" for s, t, _ in ds['validation'])}.
+{_dspark_training(m)}
 
 ## Measured (torch, fp32 compute on the shipped f16 weights)
+
+The draft learned from the Q8_0 target's features; here it is paired with the f16 target in fp32
+(the protocol every figure on this page uses); distill's own figures, engine and Q8_0 files, are in
+the training section above.
 
 - **MTP two-ahead agreement** (top-1 of the MTP layer vs the target's greedy token at i+2):
   **{ev['mtp_heldout']['agreement_with_target_two_ahead']:.4f}** on held-out text
@@ -242,8 +306,13 @@ Goal check: DSpark τ ≥ 2.5 on held-out text and above prompt lookup: **{'met'
 pip install -e ".[train]"            # torch (CPU build is enough)
 python tools/train_demo.py           # resumable: rerun the same command after an interruption
 python tools/train_demo.py --smoke   # a tiny end-to-end run into runs/demo_smoke (minutes)
+# only the DSpark draft, from a finished `ds4tools distill --kind dspark ... --resume RUN` run
+# (its figures measured again, metrics.json, reference.json and this card rewritten):
+python tools/demo/import_distilled.py RUN --report OUT.distill.json
 ```
 
-Seed {plan['seed']}; checkpoints and logs go to `runs/demo/`. Results depend on the Python version
-(the corpus) and, in the last bits, on the CPU's bf16 matmul kernels.
+Seed {plan['seed']}; checkpoints and logs go to `runs/demo/`; the DSpark stage runs `ds4tools distill`
+(seed {ds['options']['seed']}, {plan['ds_threads']} threads, `--steps {plan['ds_steps']}`) with its run directory in
+`runs/demo/distill-dspark`. Results depend on the Python version (the corpus) and, in the last bits,
+on the CPU's bf16 matmul kernels and torch's thread count.
 """

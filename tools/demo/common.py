@@ -32,19 +32,16 @@ class Plan:
     mtp_batch: int = 16
     mtp_seq: int = 512
     mtp_lr: float = 2e-3
-    # DSpark self-distilled data
-    ds_windows: int = 3000
-    ds_window_len: int = 512
-    ds_anchors_per_window: int = 64
-    ds_min_anchor: int = 16
-    ds_gen_batch: int = 8  # windows per generation pass
-    # DSpark training
-    ds_steps: int = 4000
-    ds_windows_per_step: int = 8
-    ds_anchors_per_step: int = 32  # anchors drawn from each window per step (0 = all)
-    ds_sampled_per_step: int = 16  # of those, how many also train on their T=1 rollout (-1 = all)
-    ds_lr: float = 3e-3
-    ds_warmup: int = 100
+    # DSpark draft: `ds4tools distill --kind dspark` (docs/distill.md, "The 30-minute runs") on the
+    # engine's features of the target converted to Q8_0; ds_steps is the step count that run's
+    # `--time 30m` fixed (2 threads, idle machine), so the schedule and every batch are that run's
+    ds_steps: int = 4424
+    ds_windows: int = 2048
+    ds_lr: float = 6e-3
+    ds_target_layers: str = "1,3,4"  # DeepSpec numbering; never the last layer (llama.cpp)
+    ds_threads: int = 2
+    ds_eval_anchors: int = 10000
+    ds_eval_tokens: int = 128
     # evaluation
     eval_segment: int = 512
     eval_anchor_stride: int = 3
@@ -59,9 +56,8 @@ class Plan:
 def smoke_plan() -> Plan:
     return replace(
         Plan(), target_steps=12, target_batch=4, target_seq=128, target_warmup=3,
-        target_eval_every=6, mtp_steps=6, mtp_batch=4, mtp_seq=128, ds_windows=8, ds_window_len=128,
-        ds_anchors_per_window=8, ds_gen_batch=4, ds_steps=8, ds_warmup=2, ds_anchors_per_step=4,
-        ds_sampled_per_step=2, eval_segment=128,
+        target_eval_every=6, mtp_steps=6, mtp_batch=4, mtp_seq=128, ds_windows=16, ds_steps=8,
+        ds_threads=1, ds_eval_anchors=200, ds_eval_tokens=0, eval_segment=128,
         eval_anchor_stride=16, eval_gen_tokens=32, checkpoint_every=5, log_every=2,
     )
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .common import Log, Plan, Timer, adapt_threads, write_json
 from .model import DraftShape, DSparkDraft, Qwen3Target, TargetShape
 from .rollout import pick, rollout
-from .train_dspark import block_forward, propose
+from .dspark_draft import block_forward, propose
 from .train_target import sequence_loss
 
 CONF_CUT = 0.5

@@ -85,22 +85,28 @@ def _write_safetensors(path: Path, tensors: dict) -> None:
     os.replace(tmp, path)
 
 
-def export(plan: Plan, work: Path, out: Path, card_text: str, metrics: dict) -> None:
-    s, d = TargetShape(), DraftShape()
-    (out / "target").mkdir(parents=True, exist_ok=True)
-    (out / "dspark").mkdir(parents=True, exist_ok=True)
-    target_state = torch.load(work / "target_shipped.pt")
-    draft_state = torch.load(work / "dspark_shipped.pt")
-    _write_safetensors(out / "target" / "model.safetensors", _shipped(target_state))
-    _write_safetensors(out / "dspark" / "model.safetensors", _shipped(draft_state))
-    _write_text(out / "target" / "config.json", json.dumps(target_config(s), indent=2) + "\n")
-    _write_text(out / "dspark" / "config.json",
-                json.dumps(dspark_config(s, d, plan.ds_anchors_per_window), indent=2) + "\n")
-    _write_text(out / "target" / "generation_config.json", json.dumps(
+def write_target_folder(work: Path, folder: Path) -> None:
+    """The shipped target as a Hugging Face folder (what ``target/`` holds): f16 safetensors,
+    config, generation config, tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(folder / "model.safetensors", _shipped(torch.load(work / "target_shipped.pt")))
+    _write_text(folder / "config.json", json.dumps(target_config(TargetShape()), indent=2) + "\n")
+    _write_text(folder / "generation_config.json", json.dumps(
         {"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(work / name, out / "target" / (name + ".tmp"))
-        os.replace(out / "target" / (name + ".tmp"), out / "target" / name)
+        shutil.copyfile(work / name, folder / (name + ".tmp"))
+        os.replace(folder / (name + ".tmp"), folder / name)
+
+
+def export(plan: Plan, work: Path, out: Path, card_text: str, metrics: dict) -> None:
+    s, d = TargetShape(), DraftShape()
+    (out / "dspark").mkdir(parents=True, exist_ok=True)
+    write_target_folder(work, out / "target")
+    draft_state = torch.load(work / "dspark_shipped.pt")
+    _write_safetensors(out / "dspark" / "model.safetensors", _shipped(draft_state))
+    # DeepSpec's num_anchors: the blocks a training window holds (distill's --anchors)
+    num_anchors = metrics["dspark"]["options"]["anchors"]
+    _write_text(out / "dspark" / "config.json", json.dumps(dspark_config(s, d, num_anchors), indent=2) + "\n")
     for name in ("heldout_files.txt", "prompts.json"):
         shutil.copyfile(work / name, out / (name + ".tmp"))
         os.replace(out / (name + ".tmp"), out / name)

@@ -34,7 +34,9 @@ class TargetShape:
 @dataclass(frozen=True)
 class DraftShape:
     block_size: int = 8
-    target_layer_ids: tuple = (1, 3, 5)
+    #: DeepSpec numbering (the raw output of layer i); llama.cpp exposes only the inputs of
+    #: layers 0..n-1 to a draft, so never the last layer (ds4tools distill's default for 6 layers)
+    target_layer_ids: tuple = (1, 3, 4)
     num_draft_layers: int = 2
     markov_rank: int = 64
 

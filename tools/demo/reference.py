@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .evaluate import generate
-from .train_dspark import block_forward, propose
+from .dspark_draft import block_forward, propose
 
 N_PROMPTS, N_GREEDY = 4, 16
 
