@@ -255,6 +255,28 @@ def test_swiglu_in_place_and_batch_identity():
             np.testing.assert_array_equal(part, out[t0:t0 + step])
 
 
+def test_rmsnorm_batch_identity():
+    # serial below kernels._RMSNORM_PAR_FROM values, row-parallel from there: the same bits
+    rng = np.random.default_rng(29)
+    k, n = 300, 256
+    x = (3 * rng.standard_normal((k, n))).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    x[7, 5] = np.nan
+    assert k * n >= kernels._RMSNORM_PAR_FROM
+    out = np.empty_like(x)
+    kernels.rmsnorm(x, w, 1e-6, out)
+    ref = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(np.delete(out, 7, 0), np.delete(ref, 7, 0), rtol=1e-5, atol=1e-6)
+    assert np.isnan(out[7]).all() and np.isfinite(np.delete(out, 7, 0)).all()
+    for t in (0, 7, 150, 299):
+        row = np.empty((1, n), np.float32)
+        kernels.rmsnorm(x[t:t + 1].copy(), w, 1e-6, row)
+        np.testing.assert_array_equal(row[0], out[t])
+    in_place = x.copy()
+    kernels.rmsnorm(in_place, w, 1e-6, in_place)
+    np.testing.assert_array_equal(in_place, out)
+
+
 def test_kv_cache_rules():
     c = KVCache(2, 2, 8, 4)
     with pytest.raises(ValueError, match="cannot truncate"):

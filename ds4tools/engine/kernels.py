@@ -79,14 +79,29 @@ def _rmsnorm_row(x, weight, eps, out):
         out[i] = (x[i] * scale) * weight[i]
 
 
+_RMSNORM_PAR_FROM = 1 << 16  # values from which rmsnorm runs row-parallel (prefill batches)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _rmsnorm_parallel(x, weight, eps, out):
+    k = x.shape[0]
+    for blk in prange((k + 15) // 16):
+        for t in range(16 * blk, min(k, 16 * blk + 16)):
+            _rmsnorm_row(x[t], weight, eps, out[t])
+
+
 @njit(cache=True, error_model="numpy")
 def rmsnorm(x, weight, eps, out):
     """out[t] = x[t] / rms(x[t]) * weight; x, out (rows, n); weight (n,). out may be x.
 
-    One thread: the work is tiny next to the matmuls, and a parallel region would cost more
-    than it saves (per-head q/k norms pass rows * heads rows of head_dim)."""
-    for t in range(x.shape[0]):
-        _rmsnorm_row(x[t], weight, eps, out[t])
+    One thread for small batches (a parallel region would cost more than it saves), row-parallel
+    from _RMSNORM_PAR_FROM values (a 512-token prefill of a 350M model: 3% of its time on one
+    thread); a row's bits do not depend on it."""
+    if x.shape[0] * x.shape[1] >= _RMSNORM_PAR_FROM:
+        _rmsnorm_parallel(x, weight, eps, out)
+    else:
+        for t in range(x.shape[0]):
+            _rmsnorm_row(x[t], weight, eps, out[t])
 
 
 @njit(cache=True, error_model="numpy")
