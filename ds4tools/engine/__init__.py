@@ -1,14 +1,15 @@
-"""The numba CPU engine for llama / qwen3 GGUFs: loading, decoder, tokenizer, sampling.
+"""The numba CPU engine for llama / qwen3 / glm4moe GGUFs: loading, decoders, tokenizer, sampling.
 
     >>> from ds4tools.engine import Engine
     >>> eng = Engine("model.gguf")
     >>> "".join(t.text for t in eng.generate("Hello", max_tokens=16, temperature=0))
 
-Layout: hparams (metadata -> HParams), weights (memory-mapped Linear matrices), kernels
-(compiled row kernels), kv_cache, transformer (the decoder and ``layer_forward``), tokenizer,
-sampling, generate (the decoding loop and its stats), api (``Engine``, which always takes a
-model path: the bundled demo is ``ds4tools.demo``, above the engine). docs/engine.md describes
-the design.
+Layout: architectures (general.architecture -> decoder), hparams (metadata -> HParams),
+weights (memory-mapped Linear matrices), kernels (compiled row kernels), kv_cache,
+transformer (the llama / qwen3 decoder and ``layer_forward``), glm4moe (the GLM-4.5 family)
+with moe (the mixture-of-experts block), tokenizer, sampling, generate (the decoding loop and
+its stats), api (``Engine``, which always takes a model path: the bundled demo is
+``ds4tools.demo``, above the engine). docs/engine.md describes the design.
 """
 from .api import Engine, GeneratedToken, set_threads
 from .generate import GenerationStats

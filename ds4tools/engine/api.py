@@ -1,4 +1,4 @@
-"""``Engine``: load a llama / qwen3 GGUF and generate text with it.
+"""``Engine``: load a GGUF model (llama, qwen3, glm4moe) and generate text with it.
 
     >>> from ds4tools import Engine
     >>> eng = Engine("model-q8_0.gguf")          # the demo: ds4tools.demo.demo_engine()
@@ -20,12 +20,13 @@ import numpy as np
 from ..errors import InvalidContentError, UsageError, about
 from ..gguf_io.reader import open_gguf
 from .generate import GenerationStats, decode
-from .hparams import HParamsError, SUPPORTED_ARCHITECTURES, hparams_from_metadata
+from .architectures import ARCHITECTURES
+from .hparams import HParamsError
 from .kv_cache import CACHE_TYPES
 from .sampling import Sampler
 from .tokenizer import GGUFTokenizer, TokenizerError
-from .transformer import DEFAULT_CHUNK, ForwardResult, NonFiniteLogits, Transformer
-from .weights import INT8_MODES, WeightsError, load_weights
+from .transformer import DEFAULT_CHUNK, ForwardResult, NonFiniteLogits
+from .weights import INT8_MODES, WeightsError
 
 #: context size when none is asked for (capped by the model's training context)
 DEFAULT_CTX = 4096
@@ -68,9 +69,9 @@ def _not_a_model(f) -> str | None:
         if kind == "unknown":
             return "holds no model (no tensors or no general.architecture)"
         return f"is not a model but a file of kind '{kind}' (see `ds4tools inspect`)"
-    if f.architecture not in SUPPORTED_ARCHITECTURES:
+    if f.architecture not in ARCHITECTURES:
         return (f"unsupported architecture {f.architecture!r} "
-                f"(the engine runs: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"(the engine runs: {', '.join(ARCHITECTURES)})")
     if "token_embd.weight" not in f.tensors:
         return "missing tensor token_embd.weight: not a complete model"
     return None
@@ -112,10 +113,12 @@ class Engine:
         if why:
             raise InvalidContentError(about(path, why))
         meta = self.gguf.metadata
+        self.architecture = ARCHITECTURES[self.gguf.architecture]
         try:
             embd = self.gguf.tensors["token_embd.weight"]
-            self.hparams = hparams_from_metadata(meta, n_vocab_tensor=int(embd.shape[0]))
-            self.weights = load_weights(self.gguf.tensors, self.hparams, int8="none" if exact else int8)
+            self.hparams = self.architecture.read_hparams(meta, n_vocab_tensor=int(embd.shape[0]))
+            self.weights = self.architecture.load_weights(self.gguf.tensors, self.hparams,
+                                                          int8="none" if exact else int8)
             self.tokenizer = GGUFTokenizer(meta)
         except (HParamsError, WeightsError, TokenizerError) as e:
             raise InvalidContentError(about(path, str(e))) from None
@@ -125,8 +128,8 @@ class Engine:
         self.exact = exact
         self.int8_mode = int8
         ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
-        self.model = Transformer(self.hparams, self.weights, n_ctx=ctx, cache_type=cache_type,
-                                 chunk=chunk)
+        self.model = self.architecture.model(self.hparams, self.weights, n_ctx=ctx,
+                                             cache_type=cache_type, chunk=chunk)
         self.last_stats: GenerationStats | None = None
         self.last_spec_stats = None
         self.spec = None
@@ -173,6 +176,10 @@ class Engine:
         filled in above the engine, by ``ds4tools.demo.resolve_model``)."""
         from .speculative.config import build_drafter
         spec = spec.resolved(temperature=0.0)
+        if spec.lookup is None and not self.architecture.model_drafters:
+            raise UsageError(about(self.path, f"drafting with a model (--mtp, --glm-mtp, --dspark) "
+                                              f"is not available for {self.hparams.arch} models yet; "
+                                              f"--lookup N works"))
         self.spec = spec
         self.drafter = build_drafter(self, spec)
 

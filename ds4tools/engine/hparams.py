@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: the dense decoders of transformer.py (also what distillation can target); every
+#: architecture the Engine runs is listed in architectures.ARCHITECTURES
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 
 #: llama.cpp's rope type per architecture: llama rotates adjacent pairs ("norm"; its converter
-#: permutes the HF q/k rows to match), qwen3 rotates the two halves ("neox").
-ROPE_TYPE = {"llama": "norm", "qwen3": "neox"}
+#: permutes the HF q/k rows to match), qwen3 and glm4moe rotate the two halves ("neox").
+ROPE_TYPE = {"llama": "norm", "qwen3": "neox", "glm4moe": "neox"}
 
 ROPE_SCALING = ("none", "linear", "yarn")
 
@@ -124,6 +126,14 @@ def hparams_from_metadata(meta: dict, n_vocab_tensor: int | None = None) -> HPar
     if arch not in SUPPORTED_ARCHITECTURES:
         raise HParamsError(
             f"unsupported architecture {arch!r} (the engine runs: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return decoder_hparams(meta, arch, n_vocab_tensor)
+
+
+def decoder_hparams(meta: dict, arch: str, n_vocab_tensor: int | None = None) -> HParams:
+    """The keys every decoder of the engine reads the same way (sizes, attention, rope), for
+    ``arch`` (one of ROPE_TYPE); an architecture with more (experts...) reads those itself."""
+    if arch not in ROPE_TYPE:
+        raise HParamsError(f"unsupported architecture {arch!r}")
     k = lambda name: f"{arch}.{name}"  # noqa: E731
 
     n_embd = _positive(k("embedding_length"), _get(meta, k("embedding_length"), int))

@@ -1,0 +1,34 @@
+"""Which decoder runs a GGUF: ``general.architecture`` -> how to read its hyper-parameters and
+weights, and the model class that runs them. The Engine looks the file's architecture up here
+once; nothing else in the engine branches on the architecture's name."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import glm4moe
+from .hparams import hparams_from_metadata
+from .transformer import Transformer
+from .weights import load_weights
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    #: (metadata, token-embedding rows) -> HParams; raises HParamsError
+    read_hparams: Callable
+    #: (tensors, hparams, int8=mode) -> ModelWeights; raises WeightsError
+    load_weights: Callable
+    #: the model class: Transformer or a subclass, built as model(hp, weights, n_ctx=...)
+    model: type
+    #: whether the model drafters (--mtp FILE, --glm-mtp, --dspark) run on it; prompt
+    #: lookup (--lookup) needs no model and runs on every architecture
+    model_drafters: bool = True
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", hparams_from_metadata, load_weights, Transformer),
+    Architecture("qwen3", hparams_from_metadata, load_weights, Transformer),
+    Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
+                 glm4moe.Glm4MoeTransformer, model_drafters=False),
+)}
