@@ -28,8 +28,8 @@ from .hparams import HParams, HParamsError, decoder_hparams
 from .kv_cache import KVCache
 from .moe import (MOE_TENSORS, FeedForward, MoEHParams, MoEWeights, MoEWorkspace, feed_forward,
                   load_feed_forward, load_moe, moe_forward, moe_hparams_from_metadata)
-from .transformer import DEFAULT_CHUNK, Transformer, Workspace
-from .weights import Linear, ModelWeights, SharedInput, WeightsError, _linear, _vector
+from .transformer import DEFAULT_CHUNK, Transformer, Workspace, attention_block
+from .weights import Linear, ModelWeights, WeightsError, _linear, _vector
 
 ARCH = "glm4moe"
 
@@ -71,6 +71,7 @@ class Glm4MoeLayerWeights:
     bv: np.ndarray | None = None
     q_norm: np.ndarray | None = None    # GLM-4.5 (355B) has them, GLM-4.5-Air not
     k_norm: np.ndarray | None = None
+    bo: np.ndarray | None = None        # none in GLM-4.5 (attention_block reads it)
 
     def linears(self) -> list:
         ffn = self.dense.linears() if self.dense is not None else self.moe.linears()
@@ -147,38 +148,10 @@ def layer_forward(x: np.ndarray, lw: Glm4MoeLayerWeights, hp: Glm4MoeHParams, ca
                   ws: Workspace, moe_ws: MoEWorkspace) -> None:
     """One decoder layer on x (k, n_embd), in place (see transformer.layer_forward for
     ``positions`` and ``limits``)."""
+    attention_block(x, lw, hp, cache, layer, positions, limits, rope, ws)
     k = x.shape[0]
     h = ws.norm[:k]
-    q = ws.q[:k]
-    kr = ws.k[:k]
-    vr = ws.v[:k]
-    kernels.rmsnorm(x, lw.attn_norm, hp.rms_eps, h)
-    hs = SharedInput(h)  # quantized once for q, k and v
-    lw.wq.matmul(hs, q.reshape(k, hp.n_q))
-    lw.wk.matmul(hs, kr.reshape(k, hp.n_kv))
-    lw.wv.matmul(hs, vr.reshape(k, hp.n_kv))
-    if lw.bq is not None:
-        kernels.add_bias(q.reshape(k, hp.n_q), lw.bq)
-    if lw.bk is not None:
-        kernels.add_bias(kr.reshape(k, hp.n_kv), lw.bk)
-    if lw.bv is not None:
-        kernels.add_bias(vr.reshape(k, hp.n_kv), lw.bv)
-    if lw.q_norm is not None:
-        q2 = q.reshape(k * hp.n_head, hp.head_dim)
-        kernels.rmsnorm(q2, lw.q_norm, hp.rms_eps, q2)
-    if lw.k_norm is not None:
-        k2 = kr.reshape(k * hp.n_head_kv, hp.head_dim)
-        kernels.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
-    cos, sin = rope
-    kernels.rope(q, positions, cos, sin, True)   # the first n_rot dimensions, by halves
-    kernels.rope(kr, positions, cos, sin, True)
-    cache.store(layer, kr, vr, positions)
-    a = ws.attn[:k]
-    cache.attend(layer, q, limits, hp.attention_scale, a)
     o = ws.proj[:k]
-    lw.wo.matmul(a.reshape(k, hp.n_q), o)
-    kernels.add_into(x, o)
-
     kernels.rmsnorm(x, lw.post_attention_norm, hp.rms_eps, h)
     if lw.moe is not None:
         moe_forward(h, lw.moe, hp.moe, moe_ws, o)

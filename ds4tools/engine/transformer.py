@@ -76,6 +76,27 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
     Writes this layer's K/V rows at ``positions`` into ``cache`` (layer index ``layer``) and
     lets query row t attend to cache rows [0, limits[t]): causal decoding uses
     limits = positions + 1; a drafter can pass any prefix (e.g. a bidirectional block)."""
+    attention_block(x, lw, hp, cache, layer, positions, limits, rope, ws)
+    k = x.shape[0]
+    h = ws.norm[:k]
+    o = ws.proj[:k]
+    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
+    g = ws.gate[:k]
+    u = ws.up[:k]
+    hs = SharedInput(h)  # quantized once for gate and up
+    lw.w_gate.matmul(hs, g)
+    lw.w_up.matmul(hs, u)
+    kernels.swiglu(g, u, g)
+    lw.w_down.matmul(g, o)
+    kernels.add_into(x, o)
+
+
+def attention_block(x: np.ndarray, lw, hp: HParams, cache: KVCache, layer: int,
+                    positions: np.ndarray, limits: np.ndarray, rope: tuple, ws: Workspace) -> None:
+    """x += the attention half of a decoder layer (pre-norm GQA with optional biases, per-head
+    q/k norms and rope over the first n_rot dimensions): layer_forward's first half, shared by
+    the decoders built on this one (glm4moe). lw: attn_norm, wq, wk, wv, wo and the optional
+    bq, bk, bv, bo, q_norm, k_norm."""
     k = x.shape[0]
     h = ws.norm[:k]
     q = ws.q[:k]
@@ -109,16 +130,6 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
     lw.wo.matmul(a.reshape(k, hp.n_q), o)
     if lw.bo is not None:
         kernels.add_bias(o, lw.bo)
-    kernels.add_into(x, o)
-
-    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
-    g = ws.gate[:k]
-    u = ws.up[:k]
-    hs = SharedInput(h)  # quantized once for gate and up
-    lw.w_gate.matmul(hs, g)
-    lw.w_up.matmul(hs, u)
-    kernels.swiglu(g, u, g)
-    lw.w_down.matmul(g, o)
     kernels.add_into(x, o)
 
 
