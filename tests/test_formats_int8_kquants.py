@@ -215,7 +215,7 @@ def test_int8_integer_routes_bit_identical(name):
     if kquants.K_PAIRED[kind]:  # groups of two super-blocks (5 -> 3 groups, the last half empty)
         xq = np.empty((k, 512 * 3), np.uint8)
         dx, dxs = np.empty((k, 16 * 3), np.float32), np.empty((k, 16 * 3), np.float32)
-        kquants._prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs)
+        kquants._prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs, False)
     else:
         xq = np.empty((k, n_in), np.uint8)
         dx = np.empty((k, n_in // 256), np.float32)

@@ -1390,21 +1390,43 @@ def _make_fused_k(kind, n_rows, n_toks):
                         out.append(acc)
                 return out
 
-            def pair_body(half):  # Q4_K, Q5_K: groups of two super-blocks (see UNPACK_K_*)
+            def pair_body(half):
+                # Q4_K, Q5_K: the pair group's sums from each super-block's own layout (x in the
+                # K group layout here, see kquants._matmul_q8_kg): a sub-block of 32 is two
+                # adjacent lanes of 16, added exactly; then the pair's float step as the tiles
+                # take it. Unpacking super-blocks one by one costs less per row than the pair
+                # layout's shuffles, which only pay where a row serves many tokens.
+                evens, odds = _mask(range(0, 32, 2)), _mask(range(1, 32, 2))
+                zf = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
+                mzf = ir.Constant(v16f, [ir.Constant(_F32, -0.0)] * 16)  # a missing half's m
+
                 def body(g, accs):
-                    base = builder.mul(g, _const(KPAIR_BYTES))
+                    sbs = [builder.mul(g, _const(2)), builder.add(builder.mul(g, _const(2)), _const(1))]
+                    sbs = sbs[:1] if half else sbs
                     gb = builder.mul(g, _const(KGROUP_LANES))
-                    xv = [[_load(builder, xp, builder.add(base, _const(64 * c)), v64i8)
-                           for c in range(KPAIR_CHUNKS)] for xp, _, _ in toks]
+                    xv = [[[_load(builder, xp, builder.add(builder.mul(sb, _const(KGROUP_BYTES)),
+                                                           _const(64 * c)), v64i8)
+                            for c in range(KGROUP_CHUNKS)] for sb in sbs] for xp, _, _ in toks]
                     dxv = [_load(builder, dxp, gb, v16f, 4) for _, dxp, _ in toks]
                     dxsv = [_load(builder, dxsp, gb, v16f, 4) for _, _, dxsp in toks]
                     out = []
                     for i, rp in enumerate(rps):
-                        qv, dwv, mv = _emit_unpack_pair(builder, kind, rp, lutp, g, half)
+                        un = [_emit_unpack_sb(builder, route, kind, rp, lutp, sb) for sb in sbs]
+                        dws = [u[1] for u in un] + ([zf] if half else [])
+                        ms = [u[2] for u in un] + ([mzf] if half else [])
+                        dwv = builder.shuffle_vector(dws[0], dws[1], evens)  # lanes 2j = 2j + 1
+                        mv = builder.shuffle_vector(ms[0], ms[1], evens)
                         for t in range(n_toks):
-                            isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
-                            for c in range(KPAIR_CHUNKS):
-                                isum = _dot_chunk(builder, isum, qv[c], xv[t][c], route)
+                            sums = []
+                            for h in range(len(sbs)):
+                                isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
+                                for c in range(KGROUP_CHUNKS):
+                                    isum = _dot_chunk(builder, isum, un[h][0][c], xv[t][h][c], route)
+                                sums.append(isum)
+                            if half:
+                                sums.append(ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16))
+                            isum = builder.add(builder.shuffle_vector(sums[0], sums[1], evens),
+                                               builder.shuffle_vector(sums[0], sums[1], odds))
                             acc = builder.call(fma, [builder.sitofp(isum, v16f),
                                                      builder.fmul(dwv, dxv[t]), accs[i * n_toks + t]])
                             out.append(builder.call(fma, [mv, dxsv[t], acc]))

@@ -760,28 +760,39 @@ def _prep_act_k(q, d, sums, shift, xq, dx, dxs):
 
 
 @njit(cache=True, error_model="numpy")
-def _prep_act_k_pair(q, d, sums, xq, dx, dxs):
-    # Q8_K activations into the K pair layout of Q4_K / Q5_K (value 32j + 4c + e of super-block
-    # 2p + s at byte 512p + 64c + 4(8s + j) + e), d on the super-block's 8 lanes of dx and
-    # d * (the sub-block of 32's sum) in dxs; an odd last super-block's missing half is zeros.
+def _prep_act_k_pair(q, d, sums, xq, dx, dxs, grouped):
+    # Q8_K activations for Q4_K / Q5_K: d on its super-block's 8 lanes of the pair group in dx
+    # and d * (the sub-block of 32's sum) in dxs, an odd last super-block's missing half zeros;
+    # xq in the K pair layout (value 32j + 4c + e of super-block 2p + s at byte
+    # 512p + 64c + 4(8s + j) + e) for the tiles, or with ``grouped`` in the K group layout of
+    # _prep_act_k (the fused kernels of few tokens add a pair's sums from it).
     k, n = q.shape
     nsb = n // QK_K
     for t in range(k):
         if nsb % 2:
-            xq[t, KPAIR_BYTES * (nsb // 2):] = 0
             dx[t, 16 * (nsb // 2) + 8:] = 0
             dxs[t, 16 * (nsb // 2) + 8:] = 0
+            if not grouped:
+                xq[t, KPAIR_BYTES * (nsb // 2):] = 0
         for g in range(nsb):
-            o = KPAIR_BYTES * (g // 2) + 32 * (g % 2)
             lane = 16 * (g // 2) + 8 * (g % 2)
             for j in range(8):
                 dx[t, lane + j] = d[t, g]
                 dxs[t, lane + j] = d[t, g] * np.float32(np.int32(sums[t, 16 * g + 2 * j])
                                                         + np.int32(sums[t, 16 * g + 2 * j + 1]))
-                for c in range(8):
-                    for e in range(4):
-                        xq[t, o + 64 * c + 4 * j + e] = np.uint8(q[t, QK_K * g + 32 * j + 4 * c + e]
-                                                                 & 0xFF)
+            if grouped:
+                for i in range(16):
+                    for c in range(4):
+                        for e in range(4):
+                            xq[t, QK_K * g + 64 * c + 4 * i + e] = np.uint8(
+                                q[t, QK_K * g + 16 * i + 4 * c + e] & 0xFF)
+            else:
+                o = KPAIR_BYTES * (g // 2) + 32 * (g % 2)
+                for j in range(8):
+                    for c in range(8):
+                        for e in range(4):
+                            xq[t, o + 64 * c + 4 * j + e] = np.uint8(q[t, QK_K * g + 32 * j + 4 * c + e]
+                                                                     & 0xFF)
 
 
 @njit(cache=True)
@@ -818,7 +829,7 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     _prep_act_k): fused for k <= 2, else _int8dot's K tiles on blocks of ``tb`` tokens,
     ``run`` super-blocks at a time (see above)."""
     n_out = raw.shape[0]
-    k, n_in = xq.shape  # n_in: the activation layout's bytes (whole pairs for Q4_K, Q5_K)
+    k, n_in = xq.shape  # the activation layout: pairs for Q4_K, Q5_K tiles (fused: groups)
     ts = TYPE_SIZE[kind]
     nsb = raw.shape[1] // ts
     affine = kind == 0 or kind == 2 or kind == 3
@@ -891,10 +902,11 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
     k, n = act.q.shape
     if K_PAIRED[kind]:
         n_pairs = (n // QK_K + 1) // 2
-        xq = np.empty((k, KPAIR_BYTES * n_pairs), np.uint8)
+        grouped = k <= _QK_FUSED_TOKENS  # the fused kernels read x in the group layout
+        xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
         dx = np.empty((k, 16 * n_pairs), np.float32)
         dxs = np.empty((k, 16 * n_pairs), np.float32)
-        _prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs)
+        _prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs, grouped)
     else:
         xq = np.empty((k, n), np.uint8)
         dx = np.empty((k, n // QK_K), np.float32)
