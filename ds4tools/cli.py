@@ -88,7 +88,8 @@ def main():
 @click.option("--keep-nextn", is_flag=True,
               help="Embed the checkpoint's NextN layer in OUT (blk.L.nextn.*), as llama.cpp does for GLM/DeepSeek.")
 @click.option("--mtp-out", type=click.Path(), metavar="MTP.gguf",
-              help="Also write the MTP support GGUF from the source's NextN layer.")
+              help="Also write the MTP support GGUF from the source's NextN layer (DeepSeek/GLM "
+                   "checkpoints: llama.cpp's MTP-only file, and OUT without the NextN layer).")
 @click.option("--only-support", is_flag=True, help="Write only the support file (no -o).")
 @click.option("--dspark-out", type=click.Path(), metavar="DRAFT.gguf",
               help="Write the DSpark draft of the DSpark checkpoint SRC (needs --target).")

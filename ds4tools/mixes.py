@@ -54,6 +54,11 @@ _NEVER_QUANTIZED = (
     "first", "w0", "w1", "w2", "v0", "v1", "v2", "a0", "a1", "a2", "g1", "g2", "decay_w1",
     "decay_w2", "lerp_fused"))
 _NEVER_QUANTIZED_EXACT = ("position_embd.weight", "token_types.weight")
+# llama.cpp's further exclusions (hc_*, indexer.{attn_q_b, attn_k, proj}, attn_kv_a_mqa,
+# attn_k_b, attn_v_b...) apply to its glm5-next architecture only: deepseek2, glm4moe and
+# glm-dsa quantize those weights like any other (indexer.attn_k under the attn_k rules), and
+# their 3-D experts follow the ffn_gate / ffn_up / ffn_down rules with the layer read from the
+# name, as below.
 
 
 def is_quantized(type_name: str) -> bool:

@@ -239,7 +239,8 @@ def test_hf_unsupported_architecture(small_hf, tmp_path):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
     quantize_fails(d, 1, "unsupported architecture GPT2LMHeadModel (supported: LlamaForCausalLM, "
-                         "Qwen3ForCausalLM)", tmp_path)
+                         "Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+                         "Glm4MoeForCausalLM, GlmMoeDsaForCausalLM)", tmp_path)
 
 
 def test_hf_broken_config_and_safetensors(small_hf, tmp_path):

@@ -6,15 +6,35 @@ Shared by the model converter (``ds4tools.quantize.convert``) and the MTP suppor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 
-__all__ = ["ARCHITECTURES", "interleave_rope_rows"]
+__all__ = ["ARCHITECTURES", "MOE_ARCHITECTURES", "MoEFamily", "interleave_rope_rows"]
 
 #: HF architecture -> (llama.cpp architecture, gguf MODEL_ARCH, whether q/k rows are reordered)
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", gguf.MODEL_ARCH.LLAMA, True),
     "Qwen3ForCausalLM": ("qwen3", gguf.MODEL_ARCH.QWEN3, False),
+}
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How one mixture-of-experts family converts (``ds4tools.quantize.convert_moe``)."""
+    arch: str  # llama.cpp's architecture name
+    model_arch: gguf.MODEL_ARCH
+    mla: bool  # DeepSeek's multi-head latent attention (else GQA with partial rotary)
+    indexer: bool  # GLM-5's DSA lightning indexer
+
+
+#: HF architecture -> family
+MOE_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": MoEFamily("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, True, False),
+    "DeepseekV3ForCausalLM": MoEFamily("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, True, False),
+    "Glm4MoeForCausalLM": MoEFamily("glm4moe", gguf.MODEL_ARCH.GLM4_MOE, False, False),
+    "GlmMoeDsaForCausalLM": MoEFamily("glm-dsa", gguf.MODEL_ARCH.GLM_DSA, True, True),
 }
 
 

@@ -6,6 +6,9 @@ Weights stay on disk until the quantizer asks for one tensor. NextN/MTP layers (
 ``num_nextn_predict_layers``) are left out (the MTP support GGUF carries them), unless
 ``keep_nextn``: then they are embedded the way llama.cpp does for GLM / DeepSeek
 (``blk.L.nextn.*`` plus the block's ordinary tensors, ``{arch}.nextn_predict_layers``).
+
+Mixture-of-experts checkpoints (DeepSeek V2/V3, GLM-4.5, GLM-5) are converted by
+``ds4tools.quantize.convert_moe``; ``open_hf`` picks the converter from config.json.
 """
 from __future__ import annotations
 
@@ -17,13 +20,13 @@ import numpy as np
 import gguf
 from gguf import GGUFValueType as V
 
-from ..checkpoint import (ARCHITECTURES, HFCheckpoint, HFTensor, interleave_rope_rows,
-                          tokenizer_metadata)
+from ..checkpoint import (ARCHITECTURES, MOE_ARCHITECTURES, HFCheckpoint, HFTensor,
+                          interleave_rope_rows, tokenizer_metadata)
 from ..errors import InvalidContentError, about
 from ..gguf_io import MetaKey
 from .source import Hparams, ModelSource, SourceTensor
 
-__all__ = ["HFSource", "NEXTN_NAMES", "llama3_rope_factors"]
+__all__ = ["HFSource", "NEXTN_NAMES", "llama3_rope_factors", "open_hf", "moe_family"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by llama.cpp, never stored
@@ -59,16 +62,45 @@ def _num(cfg: dict, key: str, where: str, default=None):
     return v
 
 
+def moe_family(cfg: dict):
+    """The mixture-of-experts family of a config.json (``MOE_ARCHITECTURES``), or None."""
+    for a in cfg.get("architectures") or []:
+        if a in MOE_ARCHITECTURES:
+            return MOE_ARCHITECTURES[a]
+    return None
+
+
+def open_hf(folder, report=lambda msg: None, keep_nextn: bool = False,
+            nextn_part: str | None = None) -> ModelSource:
+    """A Hugging Face directory as a quantizer source: dense (``HFSource``) or a mixture of
+    experts (``MoEHFSource``); ``nextn_part`` ("trunk" / "mtp") is for the latter only."""
+    ckpt = HFCheckpoint(folder)
+    family = moe_family(ckpt.config)
+    if family is None:
+        if nextn_part is not None:
+            raise InvalidContentError(about(ckpt.folder, "splitting the NextN layers into an "
+                                                         "MTP-only GGUF needs a mixture-of-experts "
+                                                         "checkpoint"))
+        return HFSource(ckpt, report=report, keep_nextn=keep_nextn)
+    from .convert_moe import MoEHFSource
+    mode = nextn_part or ("keep" if keep_nextn else "drop")
+    return MoEHFSource(ckpt, family, report=report, nextn=mode)
+
+
+def _supported() -> str:
+    return ", ".join([*ARCHITECTURES, *MOE_ARCHITECTURES])
+
+
 class HFSource(ModelSource):
     def __init__(self, folder, report=lambda msg: None, keep_nextn: bool = False):
-        ckpt = HFCheckpoint(folder)
+        ckpt = folder if isinstance(folder, HFCheckpoint) else HFCheckpoint(folder)
         cfg, where = ckpt.config, ckpt.file("config.json")
         archs = cfg.get("architectures") or []
         known = [a for a in archs if a in ARCHITECTURES]
         if not known:
             raise InvalidContentError(about(
                 ckpt.folder, f"unsupported architecture {', '.join(map(str, archs)) or '(none)'} "
-                             f"(supported: {', '.join(ARCHITECTURES)})"))
+                             f"(supported: {_supported()})"))
         arch, model_arch, permute = ARCHITECTURES[known[0]]
         n_layer = int(_num(cfg, "num_hidden_layers", where))
         n_embd = int(_num(cfg, "hidden_size", where))

@@ -43,6 +43,9 @@ class QuantizeOptions:
     progress: bool | None = None
     #: HF conversion: embed the NextN layers as llama.cpp does for GLM / DeepSeek
     keep_nextn: bool = False
+    #: mixture-of-experts HF conversion, one half of an --mtp-out split: "trunk" (the model
+    #: without its NextN tensors) or "mtp" (only them); set by quantize_model itself
+    nextn_part: str | None = None
     # support GGUFs (ds4tools.support): the MTP head from the source's NextN layer ...
     mtp_out: str | None = None
     only_support: bool = False
@@ -90,6 +93,8 @@ def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quanti
     With ``mtp_out`` / ``dspark_out`` the support GGUFs are written too (ds4tools.support);
     the summary then has one line per file written."""
     from ..support.commands import quantize_support, wants_support
+    if options.mtp_out and not options.dspark_out and _is_moe_checkpoint(src):
+        return _split_moe_nextn(src, out, options, report)
     if wants_support(options):
         start = time.perf_counter()
         _check_run_options(options)
@@ -97,6 +102,54 @@ def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quanti
         return QuantizeResult(None, os.fspath(out) if out else None,
                               time.perf_counter() - start, "\n".join(lines))
     return _quantize_model(src, out, options, report)
+
+
+def _is_moe_checkpoint(src) -> bool:
+    """Whether ``src`` is a Hugging Face directory of a mixture-of-experts family."""
+    import json
+    path = os.path.join(os.fspath(src), "config.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return False  # the ordinary path reports it
+    from .convert import moe_family
+    return isinstance(cfg, dict) and moe_family(cfg) is not None
+
+
+def _split_moe_nextn(src, out, options: QuantizeOptions, report) -> QuantizeResult:
+    """``--mtp-out`` on a DeepSeek / GLM checkpoint: the model without its NextN layers
+    (llama.cpp's trunk-only file: ``nextn_predict_layers`` kept, the tensors left out) to -o,
+    and the NextN layers alone (llama.cpp's MTP-only file) to MTP.gguf, both with the mix."""
+    from dataclasses import replace
+    start = time.perf_counter()
+    mtp = options.mtp_out
+    if options.only_support and out:
+        raise UsageError("--only-support writes only the support file: drop -o")
+    if options.keep_nextn:
+        raise UsageError("--keep-nextn embeds the NextN layers; --mtp-out splits them out: "
+                         "use one of them")
+    if out is not None and os.path.abspath(os.fspath(out)) == os.path.abspath(os.fspath(mtp)):
+        raise UsageError(about(mtp, "the support file and -o name the same file"))
+    if not options.dry_run:
+        for path in ([mtp] if out is None else [out, mtp]):
+            if os.path.exists(path) and not options.overwrite:
+                raise UsageError(about(os.path.abspath(os.fspath(path)),
+                                       "already exists (pass --overwrite to replace it)"))
+    plain = replace(options, mtp_out=None, only_support=False)
+    lines = []
+    if not options.only_support:
+        if out is None and not options.dry_run:
+            raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run or "
+                             "--only-support")
+        lines.append(_quantize_model(src, out, replace(plain, nextn_part="trunk"), report).summary)
+    result = _quantize_model(src, mtp, replace(plain, nextn_part="mtp"), report)
+    lines.append(result.summary)
+    return QuantizeResult(None if not options.dry_run else result.plan,
+                          os.fspath(out) if out else None, time.perf_counter() - start,
+                          "\n".join(lines))
 
 
 def _check_run_options(options: QuantizeOptions) -> None:
@@ -118,7 +171,7 @@ def _quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quant
     if out is None and not options.dry_run:
         raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run")
     _check_run_options(options)
-    source = open_source(src, report, keep_nextn=options.keep_nextn)
+    source = open_source(src, report, keep_nextn=options.keep_nextn, nextn_part=options.nextn_part)
     imatrix = load_imatrix_file(options.imatrix) if options.imatrix else None
     plan = build_plan(source, options.type, pure=options.pure,
                       output_type=options.output_tensor_type,
@@ -197,6 +250,8 @@ def _stream(writer, source: ModelSource, plan: Plan, imatrix, options: QuantizeO
 def _produce(e: PlanEntry, t, source: ModelSource, imatrix, device: str) -> np.ndarray:
     if e.action == "copy":
         return t.raw()
+    if t.load_part is not None and e.imatrix != "synthetic":
+        return _produce_by_part(e, t, source, imatrix, device)
     values = t.load_float32()
     weights = None
     if e.imatrix == "file":
@@ -208,3 +263,19 @@ def _produce(e: PlanEntry, t, source: ModelSource, imatrix, device: str) -> np.n
         return formats.quantize(values, e.out_type, imatrix=weights, device=device)
     except ValueError as err:
         raise InvalidContentError(about(source.path, f"tensor '{e.name}': {err}")) from None
+
+
+def _produce_by_part(e: PlanEntry, t, source: ModelSource, imatrix, device: str) -> np.ndarray:
+    """A stacked 3-D tensor (HF experts) one part at a time: ggml quantizes row by row, so the
+    bytes are those of the whole tensor, without holding it in float32."""
+    weights = imatrix.for_tensor(e.name, e.shape) if e.imatrix == "file" else None
+    parts = []
+    for i in range(e.shape[0]):
+        w = weights
+        if w is not None and np.ndim(w) == 2:
+            w = w[i] if w.shape[0] == e.shape[0] else w[0]
+        try:
+            parts.append(formats.quantize(t.load_part(i), e.out_type, imatrix=w, device=device))
+        except ValueError as err:
+            raise InvalidContentError(about(source.path, f"tensor '{e.name}': {err}")) from None
+    return np.stack(parts)

@@ -1,7 +1,9 @@
 """What the quantizer reads from: a model as metadata keys plus tensors that load one at a time.
 
 Two kinds: a GGUF (``GGUFSource``, any architecture, keys copied as stored) and a Hugging Face
-directory (``ds4tools.quantize.convert.HFSource``, converted to llama.cpp's layout).
+directory (``ds4tools.quantize.convert.HFSource`` for dense models,
+``ds4tools.quantize.convert_moe.MoEHFSource`` for mixture-of-experts ones; converted to
+llama.cpp's layout).
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ class SourceTensor:
     raw: Callable[[], np.ndarray] | None = None
     #: drop the tensor's source pages from memory once it is written (GGUF sources)
     release: Callable[[], None] = lambda: None
+    #: a 3-D tensor stacked from parts (HF experts): part i's float32 values, so that the
+    #: quantizer never holds more than one expert in float
+    load_part: Callable[[int], np.ndarray] | None = None
 
     @property
     def n_elements(self) -> int:
@@ -101,11 +106,13 @@ class GGUFSource(ModelSource):
             self.notes.append(f"warning: {f.path}: no general.architecture; writing 'llama'")
 
 
-def open_source(path, report=lambda msg: None, keep_nextn: bool = False) -> ModelSource:
+def open_source(path, report=lambda msg: None, keep_nextn: bool = False,
+                nextn_part: str | None = None) -> ModelSource:
     """A GGUF file (or split set) or a Hugging Face model directory (``keep_nextn``: with its
-    NextN layers embedded, as llama.cpp does for GLM / DeepSeek)."""
+    NextN layers embedded, as llama.cpp does for GLM / DeepSeek; ``nextn_part`` "trunk" or
+    "mtp": one half of a mixture-of-experts checkpoint split by ``--mtp-out``)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        from .convert import HFSource
-        return HFSource(path, report=report, keep_nextn=keep_nextn)
+        from .convert import open_hf
+        return open_hf(path, report=report, keep_nextn=keep_nextn, nextn_part=nextn_part)
     return GGUFSource(open_gguf(path))

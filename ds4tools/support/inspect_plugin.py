@@ -54,4 +54,9 @@ def _not_support(f, target_path: str) -> list[Finding]:
 
 @register_check("model")
 def _embedded_nextn(f) -> list[Finding]:
+    if nextn.is_trunk_only(f):
+        e = nextn.find(f)
+        return [Finding("warning", f"{e.arch}.nextn_predict_layers is {e.n_nextn} but the NextN "
+                                   f"tensors are not in this file (llama.cpp's trunk-only layout: "
+                                   f"they are in the MTP-only file split from the same checkpoint)")]
     return _findings(nextn.validate(f))

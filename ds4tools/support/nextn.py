@@ -10,6 +10,7 @@ every other tensor copied as stored).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from .layout import ANY_WEIGHT, DS4_MTP, F32, Problems, TensorSpec, check_tensor
 from .mtp import PREFIX
 from .write import OutTensor
 
-__all__ = ["EmbeddedNextN", "find", "validate", "mtp_tensors", "gguf_nextn_name"]
+__all__ = ["EmbeddedNextN", "find", "validate", "is_trunk_only", "mtp_tensors", "gguf_nextn_name"]
 
 #: llama.cpp block tensor -> ds4 MTP name part (the same names under mtp.0.)
 BLOCK_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
@@ -53,6 +54,20 @@ def find(f) -> EmbeddedNextN | None:
     if not n or blocks is None:
         return None
     return EmbeddedNextN(arch, int(n), int(blocks))
+
+
+def is_trunk_only(f) -> bool:
+    """llama.cpp's trunk-only file: ``nextn_predict_layers`` declared, no NextN tensor present
+    (the MTP-only file split from the same checkpoint carries them; llama.cpp loads either)."""
+    e = find(f)
+    if e is None or not 0 < e.n_nextn < e.block_count or e.n_nextn > len(f.tensors):
+        return False  # an impossible count: validate() reports it
+    first = e.block_count - e.n_nextn
+    for name in f.tensors:
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m and int(m.group(1)) >= first:
+            return False
+    return True
 
 
 def _specs(e: EmbeddedNextN, block: int, n_embd, n_vocab) -> list[TensorSpec]:
