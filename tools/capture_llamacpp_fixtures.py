@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Capture llama.cpp's outputs on the synthetic glm4moe models into tests/fixtures/llamacpp/.
+"""Capture llama.cpp's outputs on the synthetic models into tests/fixtures/llamacpp/.
 
-    python tools/capture_llamacpp_fixtures.py          # needs llama-cpp-python (0.3.36)
+    python tools/capture_llamacpp_fixtures.py [FAMILY...]   # needs llama-cpp-python (0.3.36)
 
-Building llama-cpp-python takes longer than CI allows, so its answers are kept as a small
-fixture that the tests compare against (tests/test_engine_glm4moe.py). For every case of
-tests/glm4moe_model.CASES it writes the GGUF (deterministic from the seed), runs llama.cpp
-in a child process (float32 KV cache, no flash attention, one thread) and stores:
+FAMILY: glm4moe, deepseek2 (default: all). Building llama-cpp-python takes longer than CI
+allows, so its answers are kept as small fixtures that the tests compare against
+(tests/test_engine_<family>.py). For every case of tests/<family>_model.CASES it writes the
+GGUF (deterministic from the seed), runs llama.cpp in a child process (float32 KV cache, no
+flash attention, one thread) and stores:
 
     <case>/prompt      the prompt's token ids (random, from PROMPT_SEED)
     <case>/logits      float32 (n_prompt, n_vocab): the logits of every prompt position,
@@ -14,8 +15,8 @@ in a child process (float32 KV cache, no flash attention, one thread) and stores
     <case>/greedy      int32 (N_GREEDY,): llama.cpp's greedy continuation, token by token
     <case>/digest      tests.glm4moe_model.weights_digest of the file it ran
 
-in one compressed npz. Rerun it after changing the synthetic models (the tests refuse a
-fixture whose digest no longer matches the file they write).
+in one compressed npz per family (<family>.npz). Rerun it after changing the synthetic
+models (the tests refuse a fixture whose digest no longer matches the file they write).
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.glm4moe_model import CASES, weights_digest, write_case  # noqa: E402
+import importlib  # noqa: E402
 
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "llamacpp", "glm4moe.npz")
+from tests.glm4moe_model import weights_digest  # noqa: E402
+
+FAMILIES = ("glm4moe", "deepseek2")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "llamacpp")
 SEED = 0
 PROMPT_SEED = 7
 N_PROMPT = 12
@@ -81,10 +85,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def capture(case: str, workdir: str) -> dict:
+def capture(family, case: str, workdir: str) -> dict:
+    """family: the tests.<name>_model module."""
     path = os.path.join(workdir, f"{case}.gguf")
-    write_case(path, case, SEED)
-    cfg, _ = CASES[case]
+    family.write_case(path, case, SEED)
+    cfg, _ = family.CASES[case]
     prompt = np.random.default_rng(PROMPT_SEED).integers(0, cfg.n_vocab, N_PROMPT).astype(np.int32)
     out = os.path.join(workdir, f"{case}.npz")
     r = subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(prompt.tolist()),
@@ -96,17 +101,24 @@ def capture(case: str, workdir: str) -> dict:
             f"{case}/digest": np.array(weights_digest(path))}
 
 
-def main() -> int:
-    arrays = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in CASES:
-            arrays.update(capture(case, tmp))
-            print(f"{case}: greedy {arrays[f'{case}/greedy'].tolist()}")
-    os.makedirs(os.path.dirname(FIXTURE), exist_ok=True)
-    np.savez_compressed(FIXTURE, **arrays)
-    print(f"wrote {FIXTURE} ({os.path.getsize(FIXTURE)} bytes)")
+def main(argv: list[str]) -> int:
+    names = argv or list(FAMILIES)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown family {unknown[0]} (known: {', '.join(FAMILIES)})")
+    for name in names:
+        family = importlib.import_module(f"tests.{name}_model")
+        arrays = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for case in family.CASES:
+                arrays.update(capture(family, case, tmp))
+                print(f"{name} {case}: greedy {arrays[f'{case}/greedy'].tolist()}")
+        os.makedirs(FIXTURES, exist_ok=True)
+        out = os.path.join(FIXTURES, f"{name}.npz")
+        np.savez_compressed(out, **arrays)
+        print(f"wrote {out} ({os.path.getsize(out)} bytes)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

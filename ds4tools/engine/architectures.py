@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import glm4moe
+from . import deepseek2, glm4moe
 from .hparams import hparams_from_metadata
 from .transformer import Transformer
 from .weights import load_weights
@@ -31,4 +31,6 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen3", hparams_from_metadata, load_weights, Transformer),
     Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
                  glm4moe.Glm4MoeTransformer, model_drafters=False),
+    Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
+                 deepseek2.Deepseek2Transformer, model_drafters=False),
 )}
