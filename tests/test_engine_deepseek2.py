@@ -234,7 +234,7 @@ def test_prompt_lookup_drafting_is_lossless_and_model_drafters_are_refused(files
     eng = Engine(files["f32"], spec=SpecConfig(lookup=3))
     assert [t.id for t in eng.generate(prompt, 12, temperature=0)] == plain
     with pytest.raises(UsageError, match="drafting with a model .* is not available for deepseek2"):
-        Engine(files["f32"], spec=SpecConfig(glm_mtp=True))
+        Engine(files["f32"], spec=SpecConfig(dspark=True))  # MTP drafting: tests/test_mtp_moe.py
 
 
 def test_run_command_generates_as_the_api(files):

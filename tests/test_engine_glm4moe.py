@@ -239,4 +239,4 @@ def test_prompt_lookup_drafting_is_lossless_and_model_drafters_are_refused(files
     eng = Engine(files["f32"], spec=SpecConfig(lookup=3))
     assert [t.id for t in eng.generate(prompt, 12, temperature=0)] == plain
     with pytest.raises(UsageError, match="drafting with a model .* is not available for glm4moe"):
-        Engine(files["f32"], spec=SpecConfig(glm_mtp=True))
+        Engine(files["f32"], spec=SpecConfig(dspark=True))  # MTP drafting: tests/test_mtp_moe.py

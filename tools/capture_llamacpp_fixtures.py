@@ -3,11 +3,11 @@
 
     python tools/capture_llamacpp_fixtures.py [FAMILY...]   # needs llama-cpp-python (0.3.36)
 
-FAMILY: glm4moe, deepseek2 (default: all). Building llama-cpp-python takes longer than CI
-allows, so its answers are kept as small fixtures that the tests compare against
-(tests/test_engine_<family>.py). For every case of tests/<family>_model.CASES it writes the
-GGUF (deterministic from the seed), runs llama.cpp in a child process (float32 KV cache, no
-flash attention, one thread) and stores:
+FAMILY: glm4moe, deepseek2, glm-dsa (default: all). Building llama-cpp-python takes longer
+than CI allows, so its answers are kept as small fixtures that the tests compare against
+(tests/test_engine_<family>.py, a "-" in the name read as "_"). For every case of
+tests/<family>_model.CASES it writes the GGUF (deterministic from the seed), runs llama.cpp in
+a child process (float32 KV cache, no flash attention, one thread) and stores:
 
     <case>/prompt      the prompt's token ids (random, from PROMPT_SEED)
     <case>/logits      float32 (n_prompt, n_vocab): the logits of every prompt position,
@@ -36,7 +36,7 @@ import importlib  # noqa: E402
 
 from tests.glm4moe_model import weights_digest  # noqa: E402
 
-FAMILIES = ("glm4moe", "deepseek2")
+FAMILIES = ("glm4moe", "deepseek2", "glm-dsa")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "llamacpp")
 SEED = 0
 PROMPT_SEED = 7
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         raise SystemExit(f"unknown family {unknown[0]} (known: {', '.join(FAMILIES)})")
     for name in names:
-        family = importlib.import_module(f"tests.{name}_model")
+        family = importlib.import_module(f"tests.{name.replace('-', '_')}_model")
         arrays = {}
         with tempfile.TemporaryDirectory() as tmp:
             for case in family.CASES:

@@ -1,4 +1,4 @@
-"""``Engine``: load a GGUF model (llama, qwen3, glm4moe, deepseek2) and generate text with it.
+"""``Engine``: load a GGUF model (llama, qwen3, glm4moe, deepseek2, glm-dsa) and generate text with it.
 
     >>> from ds4tools import Engine
     >>> eng = Engine("model-q8_0.gguf")          # the demo: ds4tools.demo.demo_engine()

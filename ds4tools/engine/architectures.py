@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import deepseek2, glm4moe
+from . import deepseek2, glm4moe, glm_dsa
 from .hparams import hparams_from_metadata
 from .transformer import Transformer
 from .weights import load_weights
@@ -24,13 +24,18 @@ class Architecture:
     #: whether the model drafters (--mtp FILE, --glm-mtp, --dspark) run on it; prompt
     #: lookup (--lookup) needs no model and runs on every architecture
     model_drafters: bool = True
+    #: with model_drafters: whether DSpark drafts (--dspark) do too (MTP drafting runs the
+    #: model class's own NextN layer: see speculative/mtp.py)
+    dspark_drafts: bool = True
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", hparams_from_metadata, load_weights, Transformer),
     Architecture("qwen3", hparams_from_metadata, load_weights, Transformer),
     Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
-                 glm4moe.Glm4MoeTransformer, model_drafters=False),
+                 glm4moe.Glm4MoeTransformer, dspark_drafts=False),
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
-                 deepseek2.Deepseek2Transformer, model_drafters=False),
+                 deepseek2.Deepseek2Transformer, dspark_drafts=False),
+    Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
+                 glm_dsa.GlmDsaTransformer, model_drafters=False),
 )}

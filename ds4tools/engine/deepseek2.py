@@ -19,9 +19,12 @@ Attention scale, as llama.cpp's graph computes it (YaRN's attention factor folde
     / 0.1 (the converter writes 0.1 * mscale_all_dim).
 
 Files with ``nextn_predict_layers`` NextN (MTP) layers after the decoder blocks load: those
-layers are checked by name and not run. Only the absorbed MLA layout (attn_k_b / attn_v_b, the
-``attention.key_length_mla`` key: what current converters write) is supported; the legacy
-attn_kv_b layout is refused with a one-line error.
+layers are checked by name and the decoder does not run them. The MTP drafter does
+(speculative/mtp.py), through ``Deepseek2Transformer.load_nextn_layer`` / ``nextn_layer``:
+this module's layer on the NextN block's weights, with a one-layer LatentCache of its own.
+Only the absorbed MLA layout (attn_k_b / attn_v_b, the ``attention.key_length_mla`` key: what
+current converters write) is supported; the legacy attn_kv_b layout is refused with a one-line
+error.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from .mla import (MLA_TENSORS, LatentCache, MLAShape, MLAWeights, MLAWorkspace, 
                   mla_attention_block)
 from .moe import (MOE_TENSORS, FeedForward, MoEHParams, MoEWeights, MoEWorkspace, feed_forward,
                   load_feed_forward, load_moe, moe_forward, moe_hparams_from_metadata)
-from .transformer import DEFAULT_CHUNK, Transformer
+from .transformer import DEFAULT_CHUNK, Transformer, Workspace
 from .weights import ModelWeights, WeightsError, _linear, _vector
 
 ARCH = "deepseek2"
@@ -224,9 +227,32 @@ def layer_forward(x: np.ndarray, lw: Deepseek2LayerWeights, hp: Deepseek2HParams
     kernels.add_into(x, o)
 
 
+class Deepseek2NextN:
+    """A NextN (MTP) layer as the MTP drafter runs it: this module's decoder layer on the NextN
+    block's weights, at slot 0 of a one-layer LatentCache, with workspaces of its own."""
+
+    def __init__(self, model: "Deepseek2Transformer", layer: Deepseek2LayerWeights):
+        hp = model.hp
+        self.model = model
+        self.layer = layer
+        self.cache = model.new_cache(n_layer=1)
+        self.ws = Workspace(hp, model.chunk)
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
+
+    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+        """x (k <= chunk rows, n_embd) through the layer, in place; writes the latent rows at
+        ``positions`` (checked by the caller: MtpHead runs positions 0.. in order)."""
+        m = self.model
+        layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
+                      self.mla_ws, self.moe_ws)
+
+
 class Deepseek2Transformer(Transformer):
     """A deepseek2 model: the Transformer's forward loop and output, with a latent cache, rope
     tables over the rope dimensions (YaRN as llama.cpp applies it) and this module's layers."""
+
+    dense_mtp_heads = False  # its NextN layer is this module's (attention + experts)
 
     def __init__(self, hp: Deepseek2HParams, weights: ModelWeights, *, n_ctx: int,
                  cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
@@ -271,3 +297,13 @@ class Deepseek2Transformer(Transformer):
                           self.rope, self.ws, self.mla_ws, self.moe_ws)
             if hidden is not None and il in hidden:
                 hidden[il].append(x.copy())
+
+    # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
+
+    def load_nextn_layer(self, tensors: dict, block: int, int8: str) -> Deepseek2LayerWeights:
+        """The decoder-layer weights of NextN block ``block`` (``blk.{block}.*``); raises
+        WeightsError."""
+        return load_layer(tensors, block, self.hp, int8)
+
+    def nextn_layer(self, layer: Deepseek2LayerWeights) -> Deepseek2NextN:
+        return Deepseek2NextN(self, layer)

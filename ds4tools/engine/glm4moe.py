@@ -13,7 +13,9 @@
     logits = rmsnorm(x) Wout
 
 The file may carry ``nextn_predict_layers`` NextN (MTP) layers after the decoder blocks: they
-are counted in block_count, checked by name, and not run (drafting with them is separate).
+are counted in block_count and checked by name; the decoder does not run them. The MTP drafter
+does (speculative/mtp.py), through ``Glm4MoeTransformer.load_nextn_layer`` / ``nextn_layer``:
+this module's layer on the NextN block's weights, with a one-layer KVCache of its own.
 Attention, the cache and the output are the llama / qwen3 decoder's (``Transformer``); this
 module adds the layer layout, its loading and the MoE feed-forward.
 """
@@ -160,9 +162,30 @@ def layer_forward(x: np.ndarray, lw: Glm4MoeLayerWeights, hp: Glm4MoeHParams, ca
     kernels.add_into(x, o)
 
 
+class Glm4MoeNextN:
+    """A NextN (MTP) layer as the MTP drafter runs it: this module's decoder layer on the NextN
+    block's weights, at slot 0 of a one-layer KVCache, with workspaces of its own."""
+
+    def __init__(self, model: "Glm4MoeTransformer", layer: Glm4MoeLayerWeights):
+        self.model = model
+        self.layer = layer
+        self.cache = model.new_cache(n_layer=1)
+        self.ws = Workspace(model.hp, model.chunk)
+        self.moe_ws = MoEWorkspace(model.hp.moe, model.hp.n_embd, self.ws.rows)
+
+    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+        """x (k <= chunk rows, n_embd) through the layer, in place; writes the cache rows at
+        ``positions`` (checked by the caller: MtpHead runs positions 0.. in order)."""
+        m = self.model
+        layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
+                      self.moe_ws)
+
+
 class Glm4MoeTransformer(Transformer):
     """A glm4moe model: the Transformer's cache, rope, output and forward loop, with this
     module's layers."""
+
+    dense_mtp_heads = False  # its NextN layer is this module's (attention + experts)
 
     def __init__(self, hp: Glm4MoeHParams, weights: ModelWeights, *, n_ctx: int,
                  cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
@@ -182,3 +205,13 @@ class Glm4MoeTransformer(Transformer):
                           self.rope, self.ws, self.moe_ws)
             if hidden is not None and il in hidden:
                 hidden[il].append(x.copy())
+
+    # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
+
+    def load_nextn_layer(self, tensors: dict, block: int, int8: str) -> Glm4MoeLayerWeights:
+        """The decoder-layer weights of NextN block ``block`` (``blk.{block}.*``); raises
+        WeightsError."""
+        return load_layer(tensors, block, self.hp, int8)
+
+    def nextn_layer(self, layer: Glm4MoeLayerWeights) -> Glm4MoeNextN:
+        return Glm4MoeNextN(self, layer)

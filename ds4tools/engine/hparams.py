@@ -16,8 +16,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 
 #: llama.cpp's rope type per architecture: llama rotates adjacent pairs ("norm"; its converter
 #: permutes the HF q/k rows to match), qwen3 and glm4moe rotate the two halves ("neox"),
-#: deepseek2 adjacent pairs of its rope dimensions.
-ROPE_TYPE = {"llama": "norm", "qwen3": "neox", "glm4moe": "neox", "deepseek2": "norm"}
+#: deepseek2 and glm-dsa adjacent pairs of their rope dimensions.
+ROPE_TYPE = {"llama": "norm", "qwen3": "neox", "glm4moe": "neox", "deepseek2": "norm",
+             "glm-dsa": "norm"}
 
 ROPE_SCALING = ("none", "linear", "yarn")
 

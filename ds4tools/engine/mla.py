@@ -171,15 +171,21 @@ class LatentCache:
         else:
             _store_f16(self.rows[layer], latent, positions)
 
-    def attend(self, layer: int, q: np.ndarray, limits: np.ndarray, scale: float, out: np.ndarray) -> None:
+    def attend(self, layer: int, q: np.ndarray, limits: np.ndarray, scale: float, out: np.ndarray,
+               selected=None) -> None:
         """q (k, n_head, n_lora_kv + n_rot) against this layer's rows; row t sees [0, limits[t]);
-        out (k, n_head, n_lora_kv): the softmax-weighted latent vectors."""
+        out (k, n_head, n_lora_kv): the softmax-weighted latent vectors. ``selected``: None, or
+        (positions (k, m) int64 ascending, counts (k,) int64): row t then sees only the first
+        counts[t] positions of its list (all below limits[t]; a sparse attention's choice)."""
         rows = self.rows[layer]
         if self.cache_type == "f16":
             decoded = np.empty((int(limits.max()), rows.shape[1]), np.float32)
             _decode_f16(rows, FP16_TO_FP32, decoded)
             rows = decoded
-        latent_attention(q, rows, limits, np.float32(scale), out)
+        if selected is None:
+            latent_attention(q, rows, limits, np.float32(scale), out)
+        else:
+            latent_attention_selected(q, rows, selected[0], selected[1], np.float32(scale), out)
 
 
 @njit(cache=True, error_model="numpy")
@@ -251,6 +257,51 @@ def latent_attention(q, rows, limits, scale, out):
         _attend_latent(q[t, h], rows, n_visible, scale, scores, acc, out[t, h])
 
 
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _attend_latent_at(q, rows, index, n_visible, scale, scores, acc, out):
+    """_attend_latent over the rows index[0..n_visible) (ascending) instead of 0..n_visible."""
+    d = q.shape[0]
+    n_lora = out.shape[0]
+    m = kernels.NEG_INF
+    for j in range(n_visible):
+        r = index[j]
+        s = np.float32(0.0)
+        for i in range(d):
+            s += q[i] * rows[r, i]
+        s *= scale
+        scores[j] = s
+        m = max(m, s)
+    total = np.float32(0.0)
+    for j in range(n_visible):
+        e = kernels.exp_f32(scores[j] - m)
+        scores[j] = e
+        total += e
+    for i in range(n_lora):
+        acc[i] = np.float32(0.0)
+    for j in range(n_visible):
+        r = index[j]
+        w = scores[j]
+        for i in range(n_lora):
+            acc[i] += w * rows[r, i]
+    inv = np.float32(1.0) / total
+    for i in range(n_lora):
+        out[i] = acc[i] * inv
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def latent_attention_selected(q, rows, selected, counts, scale, out):
+    """latent_attention where row t sees the cache rows selected[t, :counts[t]] only."""
+    k, n_head, _ = q.shape
+    n_lora = out.shape[2]
+    for job in prange(k * n_head):
+        t = job // n_head
+        h = job - t * n_head
+        n_visible = counts[t]
+        scores = np.empty(n_visible, np.float32)
+        acc = np.empty(n_lora, np.float32)
+        _attend_latent_at(q[t, h], rows, selected[t], n_visible, scale, scores, acc, out[t, h])
+
+
 # --- the attention block ------------------------------------------------------------------------
 
 
@@ -275,10 +326,13 @@ class MLAWorkspace:
 
 def mla_attention_block(x: np.ndarray, w: MLAWeights, s: MLAShape, rms_eps: float, kq_scale: float,
                         cache: LatentCache, layer: int, positions: np.ndarray, limits: np.ndarray,
-                        rope: tuple, ws: MLAWorkspace) -> None:
+                        rope: tuple, ws: MLAWorkspace, select=None) -> None:
     """x (k, n_embd) += the attention half of an MLA decoder layer, in place. Writes the layer's
     latent rows at ``positions``; query row t attends to cache rows [0, limits[t]). ``rope``:
-    (cos, sin) tables over n_rot ("norm" pairs, as llama.cpp's deepseek2)."""
+    (cos, sin) tables over n_rot ("norm" pairs, as llama.cpp's deepseek2). ``select``: None, or
+    a sparse attention's chooser (glm-dsa's indexer), called as select(h, q_a) with the normed
+    input (a SharedInput) and the normed low-rank query; it returns the positions each row
+    attends to (see LatentCache.attend)."""
     k = x.shape[0]
     kh = k * s.n_head
     h = ws.norm[:k]
@@ -292,6 +346,10 @@ def mla_attention_block(x: np.ndarray, w: MLAWeights, s: MLAShape, rms_eps: floa
         w.wq_a.matmul(hs, qa)
         kernels.rmsnorm(qa, w.q_a_norm, rms_eps, qa)
         w.wq_b.matmul(qa, q.reshape(k, s.n_head * s.n_k))
+    if select is not None:
+        if w.wq is not None:
+            raise ValueError("a sparse attention's chooser needs the low-rank query path")
+        selected = select(hs, qa)
     latent = ws.latent[:k]
     w.wkv_a.matmul(hs, latent)
     c = latent[:, :s.n_lora_kv]
@@ -312,7 +370,10 @@ def mla_attention_block(x: np.ndarray, w: MLAWeights, s: MLAShape, rms_eps: floa
     kernels.rope(q_cat[:, :, s.n_lora_kv:], positions, cos, sin, False)
 
     ctx = ws.ctx[:k]
-    cache.attend(layer, q_cat, limits, kq_scale, ctx)
+    if select is None:
+        cache.attend(layer, q_cat, limits, kq_scale, ctx)
+    else:
+        cache.attend(layer, q_cat, limits, kq_scale, ctx, selected)
     v = ws.v[:k]
     w.wv_b.matmul(ctx.reshape(kh, s.n_lora_kv), ids, v.reshape(kh, 1, s.n_v))
     o = ws.proj[:k]

@@ -24,7 +24,7 @@ import numpy as np
 from . import kernels
 from .hparams import HParams
 from .kv_cache import KVCache
-from .weights import LayerWeights, ModelWeights, SharedInput
+from .weights import LayerWeights, ModelWeights, SharedInput, load_layer
 
 #: rows per internal pass: long inputs (prefill) run in chunks of this many tokens (measured on a
 #: 350M Q4_K_M model, 512-token prefill, 1 thread: 256 is 3% faster than 128, which is 20-25%
@@ -177,6 +177,20 @@ class Transformer:
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
         return KVCache(n_layer or hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim, self.cache_type)
 
+    # --- the NextN (MTP) layer, for the MTP drafter (speculative/mtp.py) ---------------------
+
+    #: whether ds4's MTP layout (mtp.0.*: one dense llama / qwen3 layer) fits this model
+    dense_mtp_heads = True
+
+    def load_nextn_layer(self, tensors: dict, block: int, int8: str) -> LayerWeights:
+        """The decoder-layer weights of NextN block ``block`` (``blk.{block}.*``) in this
+        architecture's layout; raises WeightsError."""
+        return load_layer(tensors, f"blk.{block}.", self.hp, int8)
+
+    def nextn_layer(self, layer: LayerWeights) -> "NextNLayer":
+        """The runnable NextN layer (``cache``, ``forward``) over ``layer``'s weights."""
+        return NextNLayer(self, layer)
+
     def embed(self, tokens) -> np.ndarray:
         """Token embeddings (k, n_embd) float32."""
         return self.weights.token_embd.rows(tokens)
@@ -283,3 +297,20 @@ class Transformer:
         normed = np.empty_like(x)
         kernels.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
         return normed
+
+
+class NextNLayer:
+    """A decoder layer run as an MTP head's layer: ``layer_forward`` at slot 0 of a one-layer
+    cache of its own, with a workspace of its own."""
+
+    def __init__(self, model: Transformer, layer: LayerWeights):
+        self.model = model
+        self.layer = layer
+        self.cache = model.new_cache(n_layer=1)
+        self.ws = Workspace(model.hp, model.chunk)
+
+    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+        """x (k <= chunk rows, n_embd) through the layer, in place; writes the cache rows at
+        ``positions``."""
+        m = self.model
+        layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws)

@@ -1,6 +1,7 @@
 """Which drafter runs, from ds4's flags, with the wrong combinations refused up front.
 
-    --mtp FILE                 an MTP head (ds4's mtp.0.* support GGUF), or with --dspark a DSpark draft
+    --mtp FILE                 an MTP head (ds4's mtp.0.* support GGUF, or for glm4moe / deepseek2
+                               llama.cpp's MTP-only file), or with --dspark a DSpark draft
     --mtp-draft N, --mtp-margin F     MTP: drafts per step (1..16), top-1 minus top-2 logit floor
     --glm-mtp                  the NextN layer embedded in the model GGUF instead of a file
     --glm-mtp-timing           per-step timing and acceptance on stderr (alone: implies --glm-mtp)
@@ -90,14 +91,20 @@ def build_drafter(engine, config: SpecConfig):
         return PromptLookupDrafter(config.lookup)
     depth = config.mtp_draft or SpecConfig.DEFAULT_MTP_DRAFT
     margin = config.mtp_margin or 0.0
+    arch = getattr(engine, "architecture", None)
+    if config.dspark and arch is not None and not arch.dspark_drafts:
+        raise UsageError(about(engine.path, f"drafting with a model (--dspark) is not available for "
+                                            f"{engine.hparams.arch} models yet; --glm-mtp, --mtp FILE "
+                                            f"(an MTP head) and --lookup N work"))
     if config.glm_mtp:
-        return MtpDrafter(engine.model, mtp_from_nextn(engine.gguf, engine.hparams, int8), depth, margin)
+        return MtpDrafter(engine.model, mtp_from_nextn(engine.gguf, engine.hparams, int8, engine.model),
+                          depth, margin)
     path = config.mtp_file
     if config.dspark and path is None:
         raise UsageError("--dspark needs the DSpark draft: --mtp DRAFT.gguf")
     if path is None:
         return None
-    kind, weights = open_support_for(path, engine.path, engine.hparams, int8)
+    kind, weights = open_support_for(path, engine.path, engine.hparams, int8, engine.model)
     if config.dspark and kind != "dspark":
         raise UsageError(about(path, "is an MTP head, not a DSpark draft: drop --dspark "
                                      "(and the --dspark-* options) to draft with it"))

@@ -14,9 +14,14 @@ from ..weights import WeightsError, _linear, _vector, load_layer
 from .dspark import DSparkWeights
 from .mtp import MtpHeadWeights
 
-def _mtp_from_support(sf, hp: HParams, int8: str) -> MtpHeadWeights:
+def _mtp_from_support(sf, hp: HParams, int8: str, model=None) -> MtpHeadWeights:
     t = sf.gguf.tensors
     p = "mtp.0."
+    if model is not None and not model.dense_mtp_heads:
+        raise UsageError(about(sf.path, f"is an MTP head in ds4's layout (mtp.0.*: a dense "
+                                        f"llama/qwen3 layer); a {hp.arch} model drafts with its "
+                                        f"own NextN layer: --glm-mtp, or --mtp with llama.cpp's "
+                                        f"MTP-only file (ds4tools quantize --mtp-out)"))
     if (p + "attn_q_a.weight") in t or (p + "hc_head_fn.weight") in t:
         raise UsageError(about(sf.path, "is a DeepSeek V4 MTP head (mtp.0 with hyper-connections and "
                                         "experts); the engine runs llama/qwen3 targets, whose MTP "
@@ -30,13 +35,23 @@ def _mtp_from_support(sf, hp: HParams, int8: str) -> MtpHeadWeights:
         source=f"MTP head {sf.path} (ds4 layout, NextN layer {sf.hparams.nextn_layer_index})")
 
 
-def mtp_from_nextn(gguf, hp: HParams, int8: str) -> MtpHeadWeights:
-    """The first NextN layer embedded in a model GGUF (``blk.L.nextn.*`` + ``blk.L.*``)."""
+def mtp_from_nextn(gguf, hp: HParams, int8: str, model=None, *,
+                   flag: str = "--glm-mtp") -> MtpHeadWeights:
+    """The first NextN layer in a GGUF of the target's architecture (``blk.L.nextn.*`` +
+    ``blk.L.*``): the model's own file (``--glm-mtp``), or llama.cpp's MTP-only file split from
+    the same checkpoint (``--mtp FILE``). ``model``: the target model, whose architecture loads
+    the layer (None: a llama / qwen3 layer)."""
     from ...support import nextn
     e = nextn.find(gguf)
     if e is None:
-        raise UsageError(about(gguf.path, "--glm-mtp: the model has no NextN layers "
+        raise UsageError(about(gguf.path, f"{flag}: the model has no NextN layers "
                                           f"({gguf.architecture}.nextn_predict_layers is absent)"))
+    if nextn.is_trunk_only(gguf):
+        raise UsageError(about(gguf.path, f"{flag}: the NextN layer is not in this file (llama.cpp's "
+                                          f"trunk-only layout: {gguf.architecture}.nextn_predict_layers "
+                                          f"is {e.n_nextn} but no blk.{e.blocks[0]}.* tensor); draft "
+                                          f"with the MTP-only file split from the same checkpoint: "
+                                          f"--mtp FILE"))
     problems = nextn.validate(gguf)
     if problems.errors:
         raise InvalidContentError(about(gguf.path, problems.errors[0]),
@@ -44,16 +59,64 @@ def mtp_from_nextn(gguf, hp: HParams, int8: str) -> MtpHeadWeights:
     L = e.blocks[0]
     t = gguf.tensors
     H = hp.n_embd
+    own = nextn.gguf_nextn_name(L, "embed_tokens"), nextn.gguf_nextn_name(L, "shared_head_head")
     try:
+        if model is not None:
+            layer = model.load_nextn_layer(t, L, int8)
+        else:
+            layer = load_layer(t, f"blk.{L}.", hp, int8)
         return MtpHeadWeights(
             enorm=_vector(t, nextn.gguf_nextn_name(L, "enorm"), H),
             hnorm=_vector(t, nextn.gguf_nextn_name(L, "hnorm"), H),
             norm=_vector(t, nextn.gguf_nextn_name(L, "shared_head_norm"), H),
-            layer=load_layer(t, f"blk.{L}.", hp, int8),
+            layer=layer,
             eh_proj=_linear(t, nextn.gguf_nextn_name(L, "eh_proj"), H, 2 * H, int8),
-            source=f"NextN layer blk.{L} embedded in {gguf.path}")
+            embed=_linear(t, own[0], hp.n_vocab, H, "none") if own[0] in t else None,
+            output=_linear(t, own[1], hp.n_vocab, H, int8) if own[1] in t else None,
+            source=f"NextN layer blk.{L} "
+                   f"{'embedded in' if flag == '--glm-mtp' else 'of'} {gguf.path}")
     except WeightsError as err:
         raise InvalidContentError(about(gguf.path, str(err))) from None
+
+
+def _open_nextn_file(path):
+    """The opened GGUF if ``path`` is a model-architecture file that declares NextN layers
+    (llama.cpp's MTP-only file, or a whole model with them), else None (a support file, or
+    something open_support reports)."""
+    from ...gguf_io.reader import open_gguf
+    from ...support import nextn
+    try:
+        f = open_gguf(path)
+    except Exception:  # noqa: BLE001 - open_support reads it again and says what is wrong
+        return None
+    from ..architectures import ARCHITECTURES
+    if f.architecture not in ARCHITECTURES or nextn.find(f) is None:
+        f.close()
+        return None
+    return f
+
+
+def _mtp_from_llamacpp(f, target_path, target_hp: HParams, int8: str, model) -> MtpHeadWeights:
+    """llama.cpp's MTP-only file (``quantize --mtp-out`` for DeepSeek / GLM): the NextN blocks
+    under the target's architecture, checked against the target's hyper-parameters."""
+    from ..architectures import ARCHITECTURES
+    from ..hparams import HParamsError
+    arch = f.architecture
+    if arch != target_hp.arch:
+        raise UsageError(about(f.path, f"is a {arch} file with NextN layers; the model "
+                                       f"{target_path} is {target_hp.arch}"))
+    embd = f.tensors.get("token_embd.weight")
+    try:
+        hp = ARCHITECTURES[arch].read_hparams(
+            f.metadata, n_vocab_tensor=None if embd is None else int(embd.shape[0]))
+    except HParamsError as e:
+        raise InvalidContentError(about(f.path, str(e))) from None
+    for fld in dataclasses.fields(hp):
+        if fld.compare and getattr(hp, fld.name) != getattr(target_hp, fld.name):
+            raise InvalidContentError(about(
+                f.path, f"does not fit the model {target_path}: {fld.name} is "
+                        f"{getattr(hp, fld.name)} here, {getattr(target_hp, fld.name)} there"))
+    return mtp_from_nextn(f, target_hp, int8, model, flag="--mtp")
 
 
 def _draft_hparams(target_hp: HParams, sf) -> HParams:
@@ -96,15 +159,20 @@ def _dspark_from_support(sf, target_hp: HParams, int8: str) -> DSparkWeights:
         target_layers=tuple(hp_s.target_layers), source=f"{sf.path}, {len(t)} tensors")
 
 
-def open_support_for(path, target_path, target_hp: HParams, int8: str):
+def open_support_for(path, target_path, target_hp: HParams, int8: str, model=None):
     """(kind, weights) for a support GGUF checked against the target: "mtp" -> MtpHeadWeights,
-    "dspark" -> DSparkWeights. Problems raise the errors ``inspect`` reports."""
+    "dspark" -> DSparkWeights. Problems raise the errors ``inspect`` reports. A GGUF of a model
+    architecture with NextN layers (llama.cpp's MTP-only file) is an MTP head too, its layer
+    loaded by ``model``'s architecture."""
+    f = _open_nextn_file(path)
+    if f is not None:
+        return "mtp", _mtp_from_llamacpp(f, target_path, target_hp, int8, model)
     # runtime="ds4tools": a draft that only llama.cpp cannot run (it reads the target's last
     # layer, which llama.cpp's llama/qwen3 graphs do not expose) runs here
     sf = open_support(path, target=target_path, runtime="ds4tools")
     try:
         if sf.kind == MTP_KIND:
-            return "mtp", _mtp_from_support(sf, target_hp, int8)
+            return "mtp", _mtp_from_support(sf, target_hp, int8, model)
         return "dspark", _dspark_from_support(sf, target_hp, int8)
     except WeightsError as err:
         raise InvalidContentError(about(sf.path, str(err))) from None

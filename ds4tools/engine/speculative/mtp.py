@@ -14,6 +14,12 @@ shared_head_norm(y) of the previous row (the analogue of a final normed hidden) 
 gives d_{j+1}. After verification the head's cache is rolled back to its true rows, and the
 committed positions are re-run with the target's real hidden states the next time it drafts
 (batched with that step's first row).
+
+``decoder_layer`` is the target architecture's own layer, with a one-layer cache of the target's
+kind (KVCache, or deepseek2's LatentCache): the target model's ``load_nextn_layer(tensors,
+block, int8)`` loads it and ``nextn_layer(layer_weights)`` makes it runnable (an object with
+``cache`` and ``forward(x, positions, limits)``; the Transformer's is transformer.NextNLayer,
+glm4moe and deepseek2 override both).
 """
 from __future__ import annotations
 
@@ -22,8 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling import draw
-from ..transformer import Workspace, layer_forward
-from ..weights import LayerWeights, Linear
+from ..weights import Linear
 from .. import kernels
 from .drafter import Drafter, Proposal
 
@@ -35,11 +40,13 @@ class MtpHeadWeights:
     enorm: np.ndarray
     hnorm: np.ndarray
     norm: np.ndarray                   # NextN's shared_head.norm
-    layer: LayerWeights
+    layer: object                      # the target architecture's layer weights (LayerWeights...)
     eh_proj: Linear | None = None
     e_proj: Linear | None = None
     h_proj: Linear | None = None
     source: str = ""                   # for the load-time log line
+    embed: Linear | None = None        # NextN's own embed_tokens (None: the target's)
+    output: Linear | None = None       # NextN's own shared_head.head (None: the target's)
 
     def __post_init__(self):
         if (self.eh_proj is None) == (self.e_proj is None or self.h_proj is None):
@@ -47,15 +54,16 @@ class MtpHeadWeights:
 
 
 class MtpHead:
-    """The head's forward over a batch of rows, with its own one-layer KV cache."""
+    """The head's forward over a batch of rows, with its own one-layer cache (of the target's
+    kind)."""
 
     def __init__(self, target, weights: MtpHeadWeights):
         self.t = target
         self.w = weights
         hp = target.hp
         self.hp = hp
-        self.cache = target.new_cache(n_layer=1)
-        self.ws = Workspace(hp, target.chunk)
+        self.layer = target.nextn_layer(weights.layer)
+        self.cache = self.layer.cache
         self.rows = target.chunk
 
     def run(self, hidden: np.ndarray, tokens, start_pos: int) -> np.ndarray:
@@ -67,7 +75,8 @@ class MtpHead:
         for c0 in range(0, k, self.rows):
             c1 = min(k, c0 + self.rows)
             n = c1 - c0
-            e = self.t.embed(np.asarray(tokens[c0:c1], np.int64))
+            ids = np.asarray(tokens[c0:c1], np.int64)
+            e = self.t.embed(ids) if w.embed is None else w.embed.rows(ids)
             kernels.rmsnorm(e, w.enorm, hp.rms_eps, e)
             h = np.empty((n, hp.n_embd), np.float32)
             kernels.rmsnorm(np.ascontiguousarray(hidden[c0:c1], np.float32), w.hnorm, hp.rms_eps, h)
@@ -80,7 +89,7 @@ class MtpHead:
                 w.h_proj.matmul(h, hx)
                 kernels.add_into(x, hx)
             positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
-            layer_forward(x, w.layer, hp, self.cache, 0, positions, positions + 1, self.t.rope, self.ws)
+            self.layer.forward(x, positions, positions + 1)
             self.cache.length = start_pos + c1
             out[c0:c1] = x
         return out
@@ -90,7 +99,7 @@ class MtpHead:
         normed = np.empty_like(y)
         kernels.rmsnorm(y, self.w.norm, self.hp.rms_eps, normed)
         logits = np.empty((y.shape[0], self.hp.n_vocab), np.float32)
-        self.t.weights.output.matmul(normed, logits)
+        (self.t.weights.output if self.w.output is None else self.w.output).matmul(normed, logits)
         return normed, logits
 
 
