@@ -190,5 +190,40 @@ def write_case(path, case: str, seed: int = 0) -> dict:
     return write_model(path, cfg, weight_type, seed)
 
 
-__all__ = ["ARCH", "CASES", "GlmDsaConfig", "metadata", "random_weights", "weights_digest",
-           "write_case", "write_model"]
+# --- a float64 indexer --------------------------------------------------------------------------
+
+
+def rope_pairs(x, positions, base, n_rot):
+    """llama.cpp's "norm" rope of the first n_rot dims of the last axis of x (k, ..., d), float64
+    (no rope scaling)."""
+    inv = base ** (-np.arange(0, n_rot, 2) / n_rot)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+    shape = (len(ang),) + (1,) * (x.ndim - 2) + (n_rot // 2,)
+    c, s = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
+    out = x.copy()
+    a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    out[..., 0:n_rot:2] = a * c - b * s
+    out[..., 1:n_rot:2] = a * s + b * c
+    return out
+
+
+def reference_indexer_scores(w: dict, cfg: GlmDsaConfig, prefix: str, h, qa):
+    """The lightning indexer's scores (T, T) of the block under ``prefix`` (``blk.N.``) in float64,
+    for rows at positions 0..T-1, from the layer's normed input ``h`` (T, n_embd) and its normed
+    low-rank query ``qa`` (T, n_lora_q); score[t, j] for every j (mask j > t yourself). No
+    Hadamard rotation: it is orthonormal, so it cannot change a dot product."""
+    p = prefix
+    T, IH, D = len(h), cfg.idx_head, cfg.idx_dim
+    pos = np.arange(T)
+    q = rope_pairs((qa @ w[p + "indexer.attn_q_b.weight"].T).reshape(T, IH, D), pos,
+                   cfg.rope_base, cfg.n_rot)
+    k = h @ w[p + "indexer.attn_k.weight"].T
+    k = (k - k.mean(-1, keepdims=True)) / k.std(-1, keepdims=True)  # epsilon 0, as llama.cpp
+    k = k * w.get(p + "indexer.k_norm.weight", 1.0) + w.get(p + "indexer.k_norm.bias", 0.0)
+    k = rope_pairs(k[:, None], pos, cfg.rope_base, cfg.n_rot)[:, 0]
+    wts = h @ w[p + "indexer.proj.weight"].T / np.sqrt(D * IH)
+    return np.einsum("th,thj->tj", wts, np.maximum(np.einsum("thd,jd->thj", q, k), 0))
+
+
+__all__ = ["ARCH", "CASES", "GlmDsaConfig", "metadata", "random_weights", "reference_indexer_scores",
+           "rope_pairs", "weights_digest", "write_case", "write_model"]

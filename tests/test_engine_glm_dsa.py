@@ -21,7 +21,8 @@ from ds4tools.engine.dsa import DSACache, hadamard
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
 from ds4tools.errors import InvalidContentError, UsageError
-from tests.glm_dsa_model import CASES, GlmDsaConfig, weights_digest, write_case, write_model
+from tests.glm_dsa_model import (CASES, GlmDsaConfig, reference_indexer_scores, weights_digest,
+                                 write_case, write_model)
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llamacpp", "glm-dsa.npz")
 SEED = 0  # tools/capture_llamacpp_fixtures.py's
@@ -117,38 +118,15 @@ def test_the_yarn_log_multiplier_is_not_read(fixture, tmp_path):
 # --- the indexer --------------------------------------------------------------------------------
 
 
-def _rope_pairs(x, positions, base, n_rot):
-    """llama.cpp's "norm" rope of the first n_rot dims of the last axis of x (k, ..., d), float64."""
-    inv = base ** (-np.arange(0, n_rot, 2) / n_rot)
-    ang = positions[:, None] * inv[None, :]
-    shape = (len(positions),) + (1,) * (x.ndim - 2) + (n_rot // 2,)
-    c, s = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
-    out = x.copy()
-    a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
-    out[..., 0:n_rot:2] = a * c - b * s
-    out[..., 1:n_rot:2] = a * s + b * c
-    return out
-
-
 def _reference_scores(w, cfg, tokens):
-    """Layer 0's indexer scores (k, k) in float64 from the file's weights (no Hadamard: it is
-    orthonormal, so it cannot change a dot product)."""
+    """Layer 0's indexer scores (k, k) in float64 from the file's weights."""
     def rms(v, g):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg.rms_eps) * g
 
     p = "blk.0."
-    T, IH, D = len(tokens), cfg.idx_head, cfg.idx_dim
-    pos = np.arange(T)
     h = rms(w["token_embd.weight"][tokens], w[p + "attn_norm.weight"])
     qa = rms(h @ w[p + "attn_q_a.weight"].T, w[p + "attn_q_a_norm.weight"])
-    q = _rope_pairs((qa @ w[p + "indexer.attn_q_b.weight"].T).reshape(T, IH, D), pos,
-                    cfg.rope_base, cfg.n_rot)
-    k = h @ w[p + "indexer.attn_k.weight"].T
-    k = (k - k.mean(-1, keepdims=True)) / k.std(-1, keepdims=True)  # epsilon 0, as llama.cpp
-    k = k * w[p + "indexer.k_norm.weight"] + w[p + "indexer.k_norm.bias"]
-    k = _rope_pairs(k[:, None], pos, cfg.rope_base, cfg.n_rot)[:, 0]
-    wts = h @ w[p + "indexer.proj.weight"].T / np.sqrt(D * IH)
-    return np.einsum("th,thj->tj", wts, np.maximum(np.einsum("thd,jd->thj", q, k), 0))
+    return reference_indexer_scores(w, cfg, p, h, qa)
 
 
 def test_the_selection_equals_a_float64_indexer(tmp_path):
@@ -258,7 +236,7 @@ def test_snapshot_and_restore_bring_back_both_caches(files):
     assert np.array_equal(got, want)
 
 
-def test_nextn_layers_are_loaded_by_name_and_not_run(files, tmp_path):
+def test_nextn_layers_are_loaded_by_name_and_not_run_by_the_decoder(files, tmp_path):
     cfg = GlmDsaConfig(n_nextn=1)
     with_nextn = tmp_path / "with-nextn.gguf"
     write_model(with_nextn, cfg, "F32", SEED)
@@ -269,14 +247,14 @@ def test_nextn_layers_are_loaded_by_name_and_not_run(files, tmp_path):
                           Engine(files["f32"], exact=True).forward(toks, 0).logits)
 
 
-def test_prompt_lookup_drafting_is_lossless_and_model_drafters_are_refused(files):
+def test_prompt_lookup_drafting_is_lossless_and_dspark_is_refused(files):
     from ds4tools.engine.speculative.config import SpecConfig
     prompt = "the model reads a token and the model reads a token and the model"
     plain = [t.id for t in Engine(files["f32"]).generate(prompt, 12, temperature=0)]
     eng = Engine(files["f32"], spec=SpecConfig(lookup=3))
     assert [t.id for t in eng.generate(prompt, 12, temperature=0)] == plain
-    with pytest.raises(UsageError, match="drafting with a model .* is not available for glm-dsa"):
-        Engine(files["f32"], spec=SpecConfig(glm_mtp=True))
+    with pytest.raises(UsageError, match=r"drafting with a model \(--dspark\) is not available for glm-dsa"):
+        Engine(files["f32"], spec=SpecConfig(dspark=True))  # MTP drafting: tests/test_mtp_moe.py
 
 
 def test_run_command_generates_as_the_api(files):

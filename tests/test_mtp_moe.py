@@ -1,14 +1,19 @@
-"""MTP drafting with the NextN layer on the mixture-of-experts architectures (glm4moe, deepseek2).
+"""MTP drafting with the NextN layer on the mixture-of-experts architectures (glm4moe, deepseek2,
+glm-dsa).
 
 The head runs the target architecture's own decoder layer (GQA + MoE for glm4moe, latent
-attention + MoE for deepseek2) on the NextN block's weights, with a one-layer cache of the
-target's kind (KVCache / LatentCache). Checked here on tiny synthetic files (random weights, so
-acceptance is about 0: these are identity and exactness tests, not speed):
+attention + MoE for deepseek2, latent attention restricted by the NextN block's own DSA indexer
++ MoE for glm-dsa) on the NextN block's weights, with a one-layer cache of the target's kind
+(KVCache / LatentCache / DSACache; a glm-dsa NextN block without indexer tensors attends densely
+over a LatentCache). Checked here on tiny synthetic files (random weights, so acceptance is about
+0: these are identity and exactness tests, not speed):
 
 - greedy speculative output equals plain greedy decoding for N = 1..3 (and with a margin);
 - the head's draft logits (and its greedy drafts, recursion included) against a float64 numpy
   reference of the NextN forward written from the equations (llama.cpp b10309 has no MTP
-  drafting for glm4moe and runs deepseek2's only inside its server: this is the oracle);
+  drafting for glm4moe and runs deepseek2's only inside its server: this is the oracle; for
+  glm-dsa the reference selects each row's positions with a float64 indexer, and a dense
+  reference is far off, so the sparse selection is pinned);
 - rolling the head back (truncate + re-run, and a partial accept) equals a fresh head bit for bit;
 - ``--mtp FILE`` with llama.cpp's MTP-only file (``quantize --mtp-out`` on the synthetic Hugging
   Face checkpoints) drafts exactly as ``--glm-mtp`` on the file with the layer embedded;
@@ -22,6 +27,7 @@ from click.testing import CliRunner
 
 from ds4tools.cli import main
 from ds4tools.engine import Engine
+from ds4tools.engine.dsa import INDEXER_TENSORS, DSACache
 from ds4tools.engine.generate import decode
 from ds4tools.engine.kv_cache import KVCache
 from ds4tools.engine.mla import LatentCache
@@ -32,7 +38,7 @@ from ds4tools.engine.speculative.load import mtp_from_nextn
 from ds4tools.engine.speculative.mtp import MtpDrafter, MtpHead
 from ds4tools.errors import UsageError
 from ds4tools.quantize import QuantizeOptions, quantize_model
-from tests import deepseek2_model, glm4moe_model
+from tests import deepseek2_model, glm4moe_model, glm_dsa_model
 from tests.fixtures import hf_moe_models
 
 GREEDY = Sampler(temperature=0.0)
@@ -46,7 +52,15 @@ CASES = {
     # one q matrix, softmax routing without bias, YaRN: the head uses the target's rope tables
     "deepseek2-q8_0-lite-yarn": (deepseek2_model, dataclasses.replace(deepseek2_model.LITE, n_nextn=1),
                                  "Q8_0"),
+    # the NextN block's own indexer keeps top_k 6 of up to 12 head rows: the head attends sparsely
+    "glm-dsa-f32": (glm_dsa_model, glm_dsa_model.GlmDsaConfig(n_nextn=1), "F32"),
+    # layer 1 a shared indexer layer, YaRN: indexer.types covers the decoder layers only, the
+    # NextN layer still runs its own indexer
+    "glm-dsa-q8_0-shared-yarn": (glm_dsa_model, dataclasses.replace(glm_dsa_model.SHARED, n_nextn=1),
+                                 "Q8_0"),
 }
+#: a glm-dsa NextN block without indexer tensors (llama.cpp loads them as optional): dense
+GLM_DSA_DENSE_DROP = [f"blk.3.{t}" for t in INDEXER_TENSORS]
 PROMPT = [5, 17, 250, 3, 99, 17, 250, 3, 42]
 
 
@@ -75,6 +89,9 @@ def files(tmp_path_factory):
     mod.write_model(out["glm4moe-trunk"], cfg, "F32", SEED, drop=nextn)
     out["glm4moe-own-head"] = d / "glm4moe-own-head.gguf"
     mod.write_model(out["glm4moe-own-head"], cfg, "F32", SEED, override=_own_tensors(cfg))
+    mod, cfg, _ = CASES["glm-dsa-f32"]
+    out["glm-dsa-dense-nextn"] = d / "glm-dsa-dense-nextn.gguf"
+    mod.write_model(out["glm-dsa-dense-nextn"], cfg, "F32", SEED, drop=GLM_DSA_DENSE_DROP)
     return out
 
 
@@ -107,15 +124,20 @@ def _check_rollback(eng, seq):
 # --- greedy identity ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def _cache_kind(name):
+    if name.startswith("glm-dsa"):
+        return LatentCache if name == "glm-dsa-dense-nextn" else DSACache
+    return LatentCache if name.startswith("deepseek2") else KVCache
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["glm-dsa-dense-nextn"])
 def test_greedy_speculative_output_equals_plain(files, name):
     eng = engine_for(files, name)
     plain = list(decode(eng.model, PROMPT, 20, GREEDY, np.random.default_rng(0), frozenset()))
     head = mtp_from_nextn(eng.gguf, eng.hparams, "none" if eng.exact else eng.int8_mode, eng.model)
-    cache_kind = LatentCache if name.startswith("deepseek2") else KVCache
     for n_draft, margin in ((1, 0.0), (2, 0.0), (3, 0.0), (3, 0.5)):
         drafter = MtpDrafter(eng.model, head, n_draft, margin)
-        assert isinstance(drafter.mtp.cache, cache_kind) and drafter.mtp.cache.n_layer == 1
+        assert type(drafter.mtp.cache) is _cache_kind(name) and drafter.mtp.cache.n_layer == 1
         st = SpecStats(method="mtp")
         got = list(speculative_decode(eng.model, drafter, PROMPT, 20, GREEDY, np.random.default_rng(0),
                                       frozenset(), spec=st, calibrate=False))
@@ -174,11 +196,12 @@ def _rope(x, pos, base, n_rot, neox):
     return out
 
 
-def _attend(q, k, v, scale):
-    """Causal attention, q (T, NH, d), k (T, NH, d), v (T, NH, dv)."""
+def _attend(q, k, v, scale, mask=None):
+    """Causal attention, q (T, NH, d), k (T, NH, d), v (T, NH, dv); ``mask`` (T, T): the
+    positions each row may see (None: causal)."""
     T = q.shape[0]
     s = np.einsum("thd,uhd->htu", q, k) * scale
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    s = np.where(np.tril(np.ones((T, T), bool)) if mask is None else mask, s, -np.inf)
     a = np.exp(s - s.max(-1, keepdims=True))
     a /= a.sum(-1, keepdims=True)
     return np.einsum("htu,uhv->thv", a, v).reshape(T, -1)
@@ -192,7 +215,7 @@ def _moe(h, W, p, cfg):
     if cfg.gating != 2:
         probs /= probs.sum(1, keepdims=True)
     choose = probs + W.get(p + "exp_probs_b.bias", 0.0)
-    if cfg.n_group > 1:
+    if getattr(cfg, "n_group", 1) > 1:
         g = choose.reshape(len(h), cfg.n_group, -1)
         keep = np.argsort(-np.sort(g, axis=2)[:, :, -2:].sum(2), axis=1, kind="stable")[:, :cfg.n_group_used]
         drop = np.ones(g.shape[:2], bool)
@@ -230,7 +253,7 @@ def _glm4moe_layer(x, W, p, cfg, pos):
     return x + _moe(_rms(x, W[p + "post_attention_norm.weight"], cfg.rms_eps), W, p, cfg)
 
 
-def _deepseek2_layer(x, W, p, cfg, pos):
+def _deepseek2_layer(x, W, p, cfg, pos, mask=None):
     # multi-head latent attention in its expanded form (keys and values per head)
     T, NH, R = len(x), cfg.n_head, cfg.n_rot
     h = _rms(x, W[p + "attn_norm.weight"], cfg.rms_eps)
@@ -243,8 +266,31 @@ def _deepseek2_layer(x, W, p, cfg, pos):
                            np.repeat(k_pe[:, None], NH, 1)], axis=2)
     values = np.einsum("hvc,tc->thv", W[p + "attn_v_b.weight"], c)
     q = np.concatenate([q[:, :, :cfg.n_nope], _rope(q[:, :, cfg.n_nope:], pos, cfg.rope_base, R, False)], 2)
-    x = x + _attend(q, keys, values, 1 / np.sqrt(cfg.n_nope + R)) @ W[p + "attn_output.weight"].T
+    x = x + _attend(q, keys, values, 1 / np.sqrt(cfg.n_nope + R), mask) @ W[p + "attn_output.weight"].T
     return x + _moe(_rms(x, W[p + "ffn_norm.weight"], cfg.rms_eps), W, p, cfg)
+
+
+def _glm_dsa_layer(x, W, p, cfg, pos, dense=False):
+    """deepseek2's layer with each row's attention restricted to the top_k positions of the
+    block's own indexer (float64, tests/glm_dsa_model.py); dense where the block has none."""
+    T, K = len(x), cfg.idx_top_k
+    mask = np.tril(np.ones((T, T), bool))
+    if p + "indexer.attn_q_b.weight" in W and not dense:
+        h = _rms(x, W[p + "attn_norm.weight"], cfg.rms_eps)
+        qa = _rms(h @ W[p + "attn_q_a.weight"].T, W[p + "attn_q_a_norm.weight"], cfg.rms_eps)
+        scores = glm_dsa_model.reference_indexer_scores(W, cfg, p, h, qa)
+        for t in range(K, T):
+            row = scores[t, :t + 1]
+            order = np.argsort(-row, kind="stable")  # equal scores: the lower position first
+            # a clear cut between kept and dropped: float32 selects the same positions
+            assert row[order[K - 1]] - row[order[K]] > 1e-6 * np.abs(row).max(), t
+            mask[t] = False
+            mask[t, order[:K]] = True
+    return _deepseek2_layer(x, W, p, cfg, pos, mask)
+
+
+def _glm_dsa_dense_layer(x, W, p, cfg, pos):
+    return _glm_dsa_layer(x, W, p, cfg, pos, dense=True)
 
 
 def _nextn_reference(W, cfg, layer, hidden, tokens):
@@ -260,15 +306,25 @@ def _nextn_reference(W, cfg, layer, hidden, tokens):
     return n, n @ W.get(p + "nextn.shared_head_head.weight", W["output.weight"]).T
 
 
-@pytest.mark.parametrize("name, layer", [("glm4moe-f32", _glm4moe_layer),
-                                         ("deepseek2-f32", _deepseek2_layer),
-                                         ("glm4moe-own-head", _glm4moe_layer)])
-def test_draft_logits_match_a_float64_reference(files, name, layer):
-    mod, cfg, _ = CASES[name.replace("own-head", "f32")]
+def _reference_weights(name):
+    """(config, float64 weights) of a file of ``files``."""
+    base = {"glm4moe-own-head": "glm4moe-f32", "glm-dsa-dense-nextn": "glm-dsa-f32"}.get(name, name)
+    mod, cfg, _ = CASES[base]
     W = mod.random_weights(cfg, np.random.default_rng(SEED))
     if name.endswith("own-head"):  # NextN's own embedding and output matrix replace the model's
         W |= _own_tensors(cfg)
-    W = {n: a.astype(np.float64) for n, a in W.items()}
+    if name == "glm-dsa-dense-nextn":
+        W = {n: a for n, a in W.items() if n not in GLM_DSA_DENSE_DROP}
+    return cfg, {n: a.astype(np.float64) for n, a in W.items()}
+
+
+@pytest.mark.parametrize("name, layer", [("glm4moe-f32", _glm4moe_layer),
+                                         ("deepseek2-f32", _deepseek2_layer),
+                                         ("glm4moe-own-head", _glm4moe_layer),
+                                         ("glm-dsa-f32", _glm_dsa_layer),
+                                         ("glm-dsa-dense-nextn", _glm_dsa_layer)])
+def test_draft_logits_match_a_float64_reference(files, name, layer):
+    cfg, W = _reference_weights(name)
     eng = engine_for(files, name)
     pre = eng.forward(PROMPT, 0, want_final_hidden=True, logits="last")
     anchor = int(np.argmax(pre.logits[-1]))
@@ -280,6 +336,10 @@ def test_draft_logits_match_a_float64_reference(files, name, layer):
     _, want = _nextn_reference(W, cfg, layer, pre.final_hidden, tokens)
     err = np.abs(ours - want).max() / np.abs(want).max()
     assert err < 1e-5, err
+    if name == "glm-dsa-f32":  # rows past top_k attend sparsely: a dense head is far off there
+        _, dense = _nextn_reference(W, cfg, _glm_dsa_dense_layer, pre.final_hidden, tokens)
+        K = cfg.idx_top_k
+        assert np.abs(ours[K:] - dense[K:]).max() / np.abs(dense).max() > 1e-2
 
     # the drafts, through the recursion on the head's own state
     drafter = drafter_for(eng, n_draft=3)
@@ -296,6 +356,19 @@ def test_draft_logits_match_a_float64_reference(files, name, layer):
     assert got == drafts
 
 
+def test_glm_dsa_head_equals_the_dense_head_up_to_top_k_rows(files):
+    # llama.cpp's MTP graph attends densely; the indexer keeps every position while a row sees at
+    # most top_k, so there the two heads agree bit for bit (and differ after)
+    sparse, dense = (engine_for(files, n) for n in ("glm-dsa-f32", "glm-dsa-dense-nextn"))
+    K = CASES["glm-dsa-f32"][1].idx_top_k
+    rng = np.random.default_rng(5)
+    hid = rng.standard_normal((12, sparse.hparams.n_embd)).astype(np.float32)
+    toks = list(rng.integers(0, 300, 12))
+    ys = [MtpHead(e.model, drafter_for(e).mtp.w).run(hid, toks, 0) for e in (sparse, dense)]
+    np.testing.assert_array_equal(ys[0][:K].view(np.uint32), ys[1][:K].view(np.uint32))
+    assert (np.abs(ys[0][K:] - ys[1][K:]).max(1) > 1e-3).all()
+
+
 # --- rollback of the head's cache --------------------------------------------------------------
 
 
@@ -308,7 +381,7 @@ def _same_cache(a, b):
             np.testing.assert_array_equal(va.view(np.uint32), vb.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["glm4moe-f32", "deepseek2-f32"])
+@pytest.mark.parametrize("name", ["glm4moe-f32", "deepseek2-f32", "glm-dsa-f32", "glm-dsa-dense-nextn"])
 def test_head_truncate_and_rerun_equals_a_fresh_head(files, name):
     eng = engine_for(files, name)
     w = drafter_for(eng).mtp.w
@@ -323,10 +396,11 @@ def test_head_truncate_and_rerun_equals_a_fresh_head(files, name):
     fresh = MtpHead(eng.model, w)
     y_fresh = fresh.run(np.concatenate([hid_a[:4], hid_b[4:]]), tok_a[:4] + tok_b[4:], 0)
     np.testing.assert_array_equal(y.view(np.uint32), y_fresh[4:].view(np.uint32))
-    _same_cache(head.cache, fresh.cache)
+    _same_cache(head.cache, fresh.cache)  # a DSACache: the latent rows and the indexer keys
 
 
-@pytest.mark.parametrize("name", ["glm4moe-q8_0-qknorm", "deepseek2-q8_0-lite-yarn"])
+@pytest.mark.parametrize("name", ["glm4moe-q8_0-qknorm", "deepseek2-q8_0-lite-yarn",
+                                  "glm-dsa-q8_0-shared-yarn"])
 def test_partial_accept_leaves_the_head_as_a_fresh_start(files, name):
     # commit 2 of 3 drafts (as if the target had accepted them), then draft again: the same
     # drafts, the same head cache, as a drafter started on the committed sequence
@@ -358,7 +432,7 @@ def split(tmp_path_factory):
     (--keep-nextn), and the trunk-only + MTP-only pair (--mtp-out), Q8_0."""
     d = tmp_path_factory.mktemp("mtp-moe-split")
     out = {}
-    for arch in ("glm4moe", "deepseek2"):
+    for arch in ("glm4moe", "deepseek2", "glm-dsa"):
         folder = hf_moe_models.BUILDERS[arch](d / arch)
         opts = lambda **kw: QuantizeOptions("Q8_0", progress=False, **kw)  # noqa: E731
         quantize_model(folder, d / f"{arch}-full.gguf", opts(keep_nextn=True), report=lambda m: None)
@@ -376,7 +450,7 @@ def _generate(path, spec=None):
     return ids, steps, eng
 
 
-@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2", "glm-dsa"])
 def test_mtp_only_file_drafts_as_the_embedded_layer(split, arch):
     f = split[arch]
     plain, _, _ = _generate(f["trunk"])
@@ -408,7 +482,7 @@ def _err_line(r):
 
 
 def test_glm_mtp_on_a_trunk_only_file_is_one_line_exit_2(files, split):
-    for path in (files["glm4moe-trunk"], split["deepseek2"]["trunk"]):
+    for path in (files["glm4moe-trunk"], split["deepseek2"]["trunk"], split["glm-dsa"]["trunk"]):
         r = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hi", "-n", "4", "--glm-mtp"])
         assert r.exit_code == 2
         line = _err_line(r)
@@ -433,6 +507,22 @@ def test_mtp_file_of_another_model_is_refused(files, split):
     assert r.exit_code == 1
     assert _err_line(r).startswith(f"ds4tools: {split['glm4moe']['mtp']}: does not fit the model "
                                    f"{files['glm4moe-f32']}: ")
+    # glm-dsa's MTP-only file for a deepseek2 model (the same layer names, another architecture)
+    r = CliRunner().invoke(main, ["run", "-m", str(split["deepseek2"]["trunk"]), "-p", "hi", "-n", "4",
+                                  "--mtp", str(split["glm-dsa"]["mtp"])])
+    assert r.exit_code == 2
+    assert _err_line(r) == (f"ds4tools: {split['glm-dsa']['mtp']}: is a glm-dsa file with NextN layers; "
+                            f"the model {split['deepseek2']['trunk']} is deepseek2")
+
+
+def test_glm_dsa_nextn_block_with_part_of_an_indexer_is_one_line_exit_1(tmp_path):
+    # an indexer tensor makes the NextN layer a full indexer layer: the required ones must be there
+    mod, cfg, _ = CASES["glm-dsa-f32"]
+    path = tmp_path / "partial-indexer.gguf"
+    mod.write_model(path, cfg, "F32", SEED, drop=["blk.3.indexer.attn_k.weight"])
+    r = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hi", "-n", "4", "--glm-mtp"])
+    assert r.exit_code == 1
+    assert _err_line(r) == f"ds4tools: {path}: missing tensor blk.3.indexer.attn_k.weight"
 
 
 def test_dspark_stays_refused(files):
@@ -443,3 +533,6 @@ def test_dspark_stays_refused(files):
                                   "--dspark", "--mtp", str(files["deepseek2-f32"])])
     assert r.exit_code == 2
     assert "is not available for deepseek2 models yet" in _err_line(r)
+    with pytest.raises(UsageError, match=r"drafting with a model \(--dspark\) is not available for "
+                                         r"glm-dsa models yet; --glm-mtp"):
+        Engine(files["glm-dsa-f32"], spec=SpecConfig(dspark=True))

@@ -37,5 +37,5 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
                  deepseek2.Deepseek2Transformer, dspark_drafts=False),
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
-                 glm_dsa.GlmDsaTransformer, model_drafters=False),
+                 glm_dsa.GlmDsaTransformer, dspark_drafts=False),
 )}

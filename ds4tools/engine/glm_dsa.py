@@ -15,7 +15,7 @@
 
 What llama.cpp (b10309) does, and so this module:
   * the indexer runs at every length: below top_k visible positions it keeps them all (dense),
-    above it the attention is sparse; the MTP graph's dense attention is not this module's;
+    above it the attention is sparse;
   * the indexer's key norm is a LayerNorm with epsilon 0 (llama.cpp's glm-dsa never reads a
     layer_norm_epsilon key), its weights are scaled by 1 / sqrt(key_length * head_count);
   * ``attention.indexer.types`` (per layer: full or shared) when the file has it; otherwise
@@ -23,7 +23,24 @@ What llama.cpp (b10309) does, and so this module:
   * YaRN's attention factor as deepseek2's, but ``rope.scaling.yarn_log_multiplier`` is not
     read (this llama.cpp's glm-dsa leaves it at 0).
 
-NextN (MTP) layers after the decoder blocks are checked by name and not run.
+NextN (MTP) layers after the decoder blocks are checked by name and the decoder does not run
+them. The MTP drafter does (speculative/mtp.py), through ``GlmDsaTransformer.load_nextn_layer``
+/ ``nextn_layer``: this module's layer (MLA + MoE) on the NextN block's weights, with a
+one-layer cache of its own. How that layer attends:
+
+  * GLM-5's NextN block carries its own indexer tensors (``blk.L.indexer.*``: the Hugging Face
+    checkpoint's MTP layer is a full decoder layer, DSA included, and the converters keep them).
+    The reference serving code (vLLM / SGLang's DeepSeek-V3.2 / GLM-5 MTP layer) runs that
+    indexer: the head attends sparsely, to the top_k of its own rows, as it was trained. So does
+    this module: the head's layer is a full indexer layer (whatever ``indexer.types`` says of
+    the trunk) with a one-layer DSACache (latent rows + indexer keys, one length: truncate rolls
+    both back);
+  * llama.cpp (b10309)'s MTP graph loads those tensors and does not use them: its MTP layer
+    attends densely over all of its rows. The two agree while the head has at most top_k rows
+    (GLM-5: 2048 positions) and differ after that; drafts are only proposals, so the output is
+    lossless either way, only the acceptance can differ;
+  * a NextN block without indexer tensors (llama.cpp loads them as optional) attends densely,
+    as llama.cpp's MTP graph does, with a one-layer LatentCache.
 """
 from __future__ import annotations
 
@@ -39,7 +56,7 @@ from .hparams import HParams, HParamsError, _get, _positive, decoder_hparams
 from .mla import MLA_TENSORS, LatentCache, MLAShape, MLAWeights, MLAWorkspace, load_mla, mla_attention_block
 from .moe import (MOE_TENSORS, FeedForward, MoEHParams, MoEWeights, MoEWorkspace, feed_forward,
                   load_feed_forward, load_moe, moe_forward, moe_hparams_from_metadata)
-from .transformer import DEFAULT_CHUNK, Transformer
+from .transformer import DEFAULT_CHUNK, Transformer, Workspace
 from .weights import ModelWeights, WeightsError, _linear, _vector
 
 ARCH = "glm-dsa"
@@ -182,11 +199,14 @@ class GlmDsaLayerWeights:
         return self.attn.linears() + idx + ffn
 
 
-def load_layer(tensors: dict, il: int, hp: GlmDsaHParams, int8: str) -> GlmDsaLayerWeights:
+def load_layer(tensors: dict, il: int, hp: GlmDsaHParams, int8: str,
+               indexer: bool | None = None) -> GlmDsaLayerWeights:
+    """Block ``il``'s weights; its indexer where ``indexer`` (None: where ``indexer.types`` makes
+    the decoder layer a full one; a NextN block has none unless asked for)."""
     p = f"blk.{il}."
     H = hp.n_embd
     moe_layer = hp.moe.is_moe_layer(il)
-    full = il < hp.n_layer and hp.indexer_full[il]
+    full = (il < hp.n_layer and hp.indexer_full[il]) if indexer is None else indexer
     return GlmDsaLayerWeights(
         attn=load_mla(tensors, p, hp.mla, H, int8),
         indexer=load_indexer(tensors, p, hp.indexer, hp.mla.n_lora_q, H, int8) if full else None,
@@ -244,25 +264,31 @@ class Selection:
         self.value = None
 
 
-def layer_forward(x: np.ndarray, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cache: DSACache,
+def layer_forward(x: np.ndarray, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cache: LatentCache,
                   layer: int, positions: np.ndarray, limits: np.ndarray, rope: tuple, ws,
-                  mla_ws: MLAWorkspace, moe_ws: MoEWorkspace, idx_ws: IndexerWorkspace,
-                  selection: Selection) -> None:
+                  mla_ws: MLAWorkspace, moe_ws: MoEWorkspace, idx_ws: IndexerWorkspace | None,
+                  selection: Selection | None) -> None:
     """One decoder layer on x (k, n_embd), in place (see transformer.layer_forward for
     ``positions`` and ``limits``). ``selection`` carries a full layer's choice to the shared
-    layers after it within one pass over the layers."""
+    layers after it within one pass over the layers; None for a layer that runs alone (a NextN
+    layer): with an indexer it selects for itself, without one it attends densely over a
+    LatentCache. ``cache`` is a DSACache wherever an indexer runs."""
 
     def select(hs, qa):
         if lw.indexer is not None:
-            selection.value = indexer_select(hs, qa, lw.indexer, hp.indexer, cache, layer,
-                                             positions, limits, rope, idx_ws)
-        elif selection.value is None:
+            chosen = indexer_select(hs, qa, lw.indexer, hp.indexer, cache, layer, positions,
+                                    limits, rope, idx_ws)
+            if selection is not None:
+                selection.value = chosen
+            return chosen
+        if selection is None or selection.value is None:
             raise ValueError(f"layer {layer} shares the indexer of an earlier layer, which did "
                              f"not run in this pass")
         return selection.value
 
+    dense = lw.indexer is None and selection is None
     mla_attention_block(x, lw.attn, hp.mla, hp.rms_eps, hp.kq_scale, cache, layer, positions,
-                        limits, rope, mla_ws, select)
+                        limits, rope, mla_ws, None if dense else select)
     k = x.shape[0]
     h = ws.norm[:k]
     o = ws.proj[:k]
@@ -274,12 +300,38 @@ def layer_forward(x: np.ndarray, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cach
     kernels.add_into(x, o)
 
 
+class GlmDsaNextN:
+    """A NextN (MTP) layer as the MTP drafter runs it: this module's decoder layer on the NextN
+    block's weights at slot 0 of a one-layer cache, with workspaces of its own. With the block's
+    indexer (GLM-5's checkpoints have one) the layer selects its own top_k positions over a
+    one-layer DSACache; without one it attends densely over a LatentCache (llama.cpp's MTP
+    graph, which attends densely in either case: see the module's docstring)."""
+
+    def __init__(self, model: "GlmDsaTransformer", layer: GlmDsaLayerWeights):
+        hp = model.hp
+        self.model = model
+        self.layer = layer
+        self.cache = model.new_cache(n_layer=1, index_layers=(0,) if layer.indexer is not None else ())
+        self.ws = Workspace(hp, model.chunk)
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
+        self.idx_ws = IndexerWorkspace(hp.indexer, self.ws.rows) if layer.indexer is not None else None
+
+    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+        """x (k <= chunk rows, n_embd) through the layer, in place; writes the latent rows (and
+        the indexer keys) at ``positions`` (checked by the caller: MtpHead runs positions 0.. in
+        order)."""
+        m = self.model
+        layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
+                      self.mla_ws, self.moe_ws, self.idx_ws, None)
+
+
 class GlmDsaTransformer(Transformer):
     """A glm-dsa model: the Transformer's forward loop and output, with a DSACache (the latent
     rows and the indexer's keys), rope tables over the rope dimensions (YaRN as llama.cpp
     applies it) and this module's layers."""
 
-    dense_mtp_heads = False  # its NextN layer would be this module's (not run yet)
+    dense_mtp_heads = False  # its NextN layer is this module's (MLA, the indexer, experts)
 
     def __init__(self, hp: GlmDsaHParams, weights: ModelWeights, *, n_ctx: int,
                  cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
@@ -292,16 +344,20 @@ class GlmDsaTransformer(Transformer):
         self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
         self.idx_ws = IndexerWorkspace(hp.indexer, self.ws.rows)
 
-    def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None) -> LatentCache:
-        """The model's DSACache; with ``n_layer`` (a drafter's own layers, which attend densely
-        as llama.cpp's MTP graph does) a plain LatentCache."""
+    def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None,
+                  index_layers: tuple | None = None) -> LatentCache:
+        """The model's DSACache. With ``n_layer`` (a drafter's own layers) the indexer keys are
+        kept for ``index_layers`` only: a DSACache when there are any, else a plain LatentCache
+        (layers that attend densely)."""
         hp = self.hp
         n_ctx = n_ctx or self.n_ctx
         if n_ctx > self.n_ctx:
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
-        if n_layer is not None:
+        if n_layer is None:
+            n_layer, index_layers = hp.n_layer, hp.indexer_layers
+        if not index_layers:
             return LatentCache(n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, self.cache_type)
-        return DSACache(hp.n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, hp.indexer_layers,
+        return DSACache(n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, index_layers,
                         hp.indexer.head_dim, self.cache_type)
 
     def run_layers(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray,
@@ -332,3 +388,16 @@ class GlmDsaTransformer(Transformer):
                           self.ws, self.mla_ws, self.moe_ws, self.idx_ws, selection)
             if hidden is not None and il in hidden:
                 hidden[il].append(x.copy())
+
+    # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
+
+    def load_nextn_layer(self, tensors: dict, block: int, int8: str) -> GlmDsaLayerWeights:
+        """The decoder-layer weights of NextN block ``block`` (``blk.{block}.*``), its indexer
+        when the block has any indexer tensor (then the required ones must all be there);
+        raises WeightsError."""
+        p = f"blk.{block}."
+        has_indexer = any(p + t in tensors for t in INDEXER_TENSORS)
+        return load_layer(tensors, block, self.hp, int8, indexer=has_indexer)
+
+    def nextn_layer(self, layer: GlmDsaLayerWeights) -> GlmDsaNextN:
+        return GlmDsaNextN(self, layer)

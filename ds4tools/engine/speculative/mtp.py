@@ -16,7 +16,7 @@ committed positions are re-run with the target's real hidden states the next tim
 (batched with that step's first row).
 
 ``decoder_layer`` is the target architecture's own layer, with a one-layer cache of the target's
-kind (KVCache, or deepseek2's LatentCache): the target model's ``load_nextn_layer(tensors,
+kind (KVCache; deepseek2's LatentCache; glm-dsa's DSACache): the target model's ``load_nextn_layer(tensors,
 block, int8)`` loads it and ``nextn_layer(layer_weights)`` makes it runnable (an object with
 ``cache`` and ``forward(x, positions, limits)``; the Transformer's is transformer.NextNLayer,
 glm4moe and deepseek2 override both).
