@@ -129,7 +129,7 @@ def _bad_heads(path):
 
 
 @pytest.mark.parametrize("make, code, message", [
-    (lambda p: _arch_model(p, "bloom"), 1, "unsupported architecture 'bloom' (the engine runs: llama, qwen3, glm4moe, deepseek2, glm-dsa)"),
+    (lambda p: _arch_model(p, "bloom"), 1, "unsupported architecture 'bloom' (the engine runs: llama, qwen3, glm4moe, deepseek2, glm-dsa, deepseek4)"),
     (_imatrix, 1, "is not a model but a file of kind 'imatrix'"),
     (lambda p: _drop_tensor(p, "blk.1.ffn_up.weight"), 1, "missing tensor blk.1.ffn_up.weight"),
     (_bad_shape, 1, "tensor blk.0.attn_k.weight has shape (64, 64) (numpy order), expected (32, 64)"),

@@ -3,13 +3,15 @@
 
     python tools/capture_llamacpp_fixtures.py [FAMILY...]   # needs llama-cpp-python (0.3.36)
 
-FAMILY: glm4moe, deepseek2, glm-dsa (default: all). Building llama-cpp-python takes longer
-than CI allows, so its answers are kept as small fixtures that the tests compare against
+FAMILY: glm4moe, deepseek2, glm-dsa, deepseek4 (default: all). Building llama-cpp-python takes
+longer than CI allows, so its answers are kept as small fixtures that the tests compare against
 (tests/test_engine_<family>.py, a "-" in the name read as "_"). For every case of
 tests/<family>_model.CASES it writes the GGUF (deterministic from the seed), runs llama.cpp in
 a child process (float32 KV cache, no flash attention, one thread) and stores:
 
-    <case>/prompt      the prompt's token ids (random, from PROMPT_SEED)
+    <case>/prompt      the prompt's token ids (random, from PROMPT_SEED; N_PROMPT of them, or
+                       the family module's own N_PROMPT: deepseek4's needs length for its
+                       compressed attention)
     <case>/logits      float32 (n_prompt, n_vocab): the logits of every prompt position,
                        one batch
     <case>/greedy      int32 (N_GREEDY,): llama.cpp's greedy continuation, token by token
@@ -36,7 +38,7 @@ import importlib  # noqa: E402
 
 from tests.glm4moe_model import weights_digest  # noqa: E402
 
-FAMILIES = ("glm4moe", "deepseek2", "glm-dsa")
+FAMILIES = ("glm4moe", "deepseek2", "glm-dsa", "deepseek4")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "llamacpp")
 SEED = 0
 PROMPT_SEED = 7
@@ -54,7 +56,8 @@ CHILD = textwrap.dedent("""
     model = L.llama_model_load_from_file(path.encode(), mp)
     assert model, "llama.cpp did not load the model"
     cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 256, 64, 64, 1, 1
+    n_batch = max(64, len(toks))
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 256, n_batch, n_batch, 1, 1
     cp.type_k = cp.type_v = L.GGML_TYPE_F32
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = L.llama_init_from_model(model, cp)
@@ -90,7 +93,8 @@ def capture(family, case: str, workdir: str) -> dict:
     path = os.path.join(workdir, f"{case}.gguf")
     family.write_case(path, case, SEED)
     cfg, _ = family.CASES[case]
-    prompt = np.random.default_rng(PROMPT_SEED).integers(0, cfg.n_vocab, N_PROMPT).astype(np.int32)
+    n_prompt = getattr(family, "N_PROMPT", N_PROMPT)
+    prompt = np.random.default_rng(PROMPT_SEED).integers(0, cfg.n_vocab, n_prompt).astype(np.int32)
     out = os.path.join(workdir, f"{case}.npz")
     r = subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(prompt.tolist()),
                         str(N_GREEDY), out], capture_output=True, text=True, timeout=600)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import deepseek2, glm4moe, glm_dsa
+from . import deepseek2, deepseek4, glm4moe, glm_dsa
 from .hparams import hparams_from_metadata
 from .transformer import Transformer
 from .weights import load_weights
@@ -38,4 +38,6 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  deepseek2.Deepseek2Transformer, dspark_drafts=False),
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
                  glm_dsa.GlmDsaTransformer, dspark_drafts=False),
+    Architecture(deepseek4.ARCH, deepseek4.read_hparams, deepseek4.load_weights,
+                 deepseek4.Deepseek4Transformer, model_drafters=False),
 )}

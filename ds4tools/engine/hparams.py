@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 #: permutes the HF q/k rows to match), qwen3 and glm4moe rotate the two halves ("neox"),
 #: deepseek2 and glm-dsa adjacent pairs of their rope dimensions.
 ROPE_TYPE = {"llama": "norm", "qwen3": "neox", "glm4moe": "neox", "deepseek2": "norm",
-             "glm-dsa": "norm"}
+             "glm-dsa": "norm", "deepseek4": "norm"}
 
 ROPE_SCALING = ("none", "linear", "yarn")
 
