@@ -229,6 +229,68 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
     sys.exit(code)
 
 
+@main.command("serve")
+@click.option("-m", "--model", type=click.Path(), metavar="MODEL.gguf",
+              help="Model to serve (default: the bundled demo model, prepared on first use).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True, help="Port (0: any free port).")
+@click.option("--api-key", metavar="KEY", envvar="DS4TOOLS_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (also $DS4TOOLS_API_KEY).")
+@click.option("--ctx", type=int, metavar="N", help="Context size per slot (default: the model's, at most 4096).")
+@click.option("--parallel", type=int, default=1, show_default=True, metavar="N",
+              help="Slots: requests generated at once, each with its own cache.")
+@click.option("--queue", "queue_size", type=int, default=16, show_default=True, metavar="N",
+              help="Requests that may wait for a slot; past that, 503 with Retry-After.")
+@click.option("--alias", metavar="NAME", help="Model name in the API (default: the file's name).")
+@click.option("--chat-template-file", type=click.Path(), metavar="FILE",
+              help="Jinja2 chat template to use instead of the model's tokenizer.chat_template.")
+@click.option("--threads", type=int, metavar="N", help="CPU threads per slot for the kernels.")
+@click.option("--cache-type", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="KV cache storage.")
+@click.option("--exact", is_flag=True, help="Float32 activations in every matmul (no int8 path).")
+@click.option("--mtp", "mtp_file", type=click.Path(), metavar="FILE",
+              help="Support GGUF to draft with: an MTP head, or with --dspark a DSpark draft.")
+@click.option("--mtp-draft", type=int, metavar="N", help="MTP: most drafts per step, 1..16 [default: 3].")
+@click.option("--mtp-margin", type=float, metavar="F", help="MTP: top-1 minus top-2 logit floor [default: 0 = off].")
+@click.option("--glm-mtp", is_flag=True, help="Draft with the NextN layer embedded in the model GGUF.")
+@click.option("--dspark", is_flag=True, help="Draft with the DSpark draft given with --mtp (without -m: the demo's).")
+@click.option("--dspark-block-size", type=int, metavar="N", help="DSpark: most drafts per block.")
+@click.option("--dspark-confidence", type=float, metavar="F", help="DSpark: confidence cut, 0..1 [default: 0].")
+@click.option("--dspark-strict", is_flag=True,
+              help="DSpark strict acceptance (lossless at temperature 0 only: sampled requests get 400).")
+@click.option("--lookup", type=int, metavar="N", help="Prompt lookup: draft up to N tokens (no model).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="warning", show_default=True, help="uvicorn's log level.")
+def serve_cmd(model, host, port, api_key, ctx, parallel, queue_size, alias, chat_template_file,
+              threads, cache_type, exact, mtp_file, mtp_draft, mtp_margin, glm_mtp, dspark,
+              dspark_block_size, dspark_confidence, dspark_strict, lookup, log_level):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics), drafting losslessly with the speculative flags of `run`.
+    Needs the `serve` extra."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+        import jinja2  # noqa: F401
+    except ImportError as e:
+        click.echo(f"ds4tools: serve needs the serve extra ({e.name} is missing): "
+                   f"pip install 'ds4tools[serve]'", err=True)
+        sys.exit(2)
+    from .demo import resolve_model
+    from .engine.speculative.config import SpecConfig
+    from .serve import ServeOptions, serve
+    spec = SpecConfig(mtp_file=mtp_file, glm_mtp=glm_mtp, dspark=dspark, mtp_draft=mtp_draft,
+                      mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
+                      dspark_confidence=dspark_confidence, dspark_strict=dspark_strict, lookup=lookup)
+    opts = ServeOptions(model=model, host=host, port=port, api_key=api_key, ctx=ctx, parallel=parallel,
+                        queue=queue_size, threads=threads, cache_type=cache_type, exact=exact,
+                        alias=alias, chat_template_file=chat_template_file,
+                        spec=spec if spec.active else None, log_level=log_level)
+    # uvicorn stops gracefully on Ctrl-C / SIGTERM, then re-raises the signal: exit 130 / 143
+    with _interrupts(), _reported_errors():
+        code = serve(opts, resolve_model=resolve_model)
+    sys.exit(code)
+
+
 @main.command("bench")
 @click.option("-m", "--model", type=click.Path(), metavar="MODEL.gguf",
               help="Model to measure (default: the bundled demo model).")

@@ -128,8 +128,9 @@ class Engine:
         self.exact = exact
         self.int8_mode = int8
         ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
-        self.model = self.architecture.model(self.hparams, self.weights, n_ctx=ctx,
-                                             cache_type=cache_type, chunk=chunk)
+        self._model_options = dict(n_ctx=ctx, cache_type=cache_type, chunk=chunk)
+        self.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+        self._shares_file = False  # a clone(): the file belongs to the engine it came from
         self.last_stats: GenerationStats | None = None
         self.last_spec_stats = None
         self.spec = None
@@ -281,10 +282,28 @@ class Engine:
         self._warmed = self._warmed | {key}
         return time.perf_counter() - t0
 
+    def clone(self) -> "Engine":
+        """Another engine on the same loaded weights and tokenizer (read-only, shared) with its
+        own KV cache, workspace and drafter (the support file is loaded again): one per thread,
+        since an engine is not thread-safe. Closing a clone leaves the file open; close the
+        original last."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+        other._shares_file = True
+        other.last_stats = other.last_spec_stats = None
+        other._warmed = frozenset()
+        other.drafter = None
+        if self.spec is not None:
+            from .speculative.config import build_drafter
+            other.drafter = build_drafter(other, self.spec)
+        return other
+
     def close(self) -> None:
         """Release the model: the weights (views of the memory-mapped file) and the cache.
         The engine cannot run afterwards."""
-        self.gguf.close()
+        if not getattr(self, "_shares_file", False):
+            self.gguf.close()
         self.model = self.weights = None
 
     def __enter__(self) -> "Engine":
