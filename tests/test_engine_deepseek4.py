@@ -217,9 +217,10 @@ def test_mtp_block_is_loaded_by_name_and_not_run(f32_engine, tmp_path, fixture):
     assert np.array_equal(eng.forward(toks, 0).logits, f32_engine.forward(toks, 0).logits)
 
 
-def test_model_drafters_are_refused(files):
+def test_dspark_without_its_draft_is_refused(files):
+    # the model drafters run on deepseek4 (tests/test_spec_deepseek4.py); --dspark needs a file
     from ds4tools.engine.speculative.config import SpecConfig
-    with pytest.raises(UsageError, match="deepseek4"):
+    with pytest.raises(UsageError, match="--dspark needs the DSpark draft"):
         Engine(files["f32"], spec=SpecConfig(dspark=True))
 
 

@@ -39,5 +39,5 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
                  glm_dsa.GlmDsaTransformer, dspark_drafts=False),
     Architecture(deepseek4.ARCH, deepseek4.read_hparams, deepseek4.load_weights,
-                 deepseek4.Deepseek4Transformer, model_drafters=False),
+                 deepseek4.Deepseek4Transformer),
 )}

@@ -242,3 +242,42 @@ def sink_attention(q, raw, positions, n_swa, comp, sel, n_sel, sinks, scale, out
                 pj = s[j] * inv
                 for i in range(d):
                     o[i] += key[i] * pj
+
+
+@njit(cache=True, error_model="numpy")
+def sink_attention_rows(q, raw, lo, hi, sinks, scale, out):
+    """out[t, h] = softmax over the raw rows lo[t] <= s < hi[t] and the sink, of
+    q[t, h] . raw[s] * scale, applied to the rows (the values): a window that may reach past
+    the query (a DSpark block's rows see the whole block)."""
+    k, n_head, d = q.shape
+    n_max = 0
+    for t in range(k):
+        n_max = max(n_max, hi[t] - lo[t])
+    s = np.empty(max(n_max, 1), np.float32)
+    for t in range(k):
+        n = hi[t] - lo[t]
+        for h in range(n_head):
+            qh = q[t, h]
+            mx = sinks[h]
+            for j in range(n):
+                key = raw[lo[t] + j]
+                dot = 0.0
+                for i in range(d):
+                    dot += np.float64(qh[i]) * key[i]
+                v = np.float32(dot) * scale
+                s[j] = v
+                mx = max(mx, v)
+            tot = np.exp(np.float64(sinks[h] - mx))
+            for j in range(n):
+                e = np.exp(s[j] - mx)
+                s[j] = e
+                tot += e
+            inv = np.float32(1.0 / tot)
+            o = out[t, h]
+            for i in range(d):
+                o[i] = 0.0
+            for j in range(n):
+                key = raw[lo[t] + j]
+                pj = s[j] * inv
+                for i in range(d):
+                    o[i] += key[i] * pj

@@ -29,7 +29,11 @@ with the clamp: silu(min(g, L)) * clamp(u, -L, L), L = swiglu_clamp_exp (the sha
 swiglu_clamp_shexp, else the same), no clamp where L is 0.
 
 Files that carry the MTP block (nextn_predict_layers, after the decoder blocks) load: its
-tensors are checked by name and not run. The model drafters are not wired to this architecture.
+tensors are checked by name; the MTP drafter runs it (--glm-mtp), or ds4's MTP support file
+(--mtp FILE, mtp.0.*), through Deepseek4MtpHead. ``final_hidden`` of a forward is the streams
+before the head (k, hc * n_embd): what the MTP layer reads, as llama.cpp's h_nextn. ds4's DSpark
+file (deepseek4-dspark: three DeepSeek V4 stages) runs through Deepseek4DSpark, fed with the
+streams' mean of the chosen layers' outputs (a forward's ``hidden``).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from numba import njit
 from ..errors import UsageError
 from . import kernels
 from .compressed_attention import (CacheLayout, CompressedCache, build_entries, indexer_top_k,
-                                   sink_attention)
+                                   sink_attention, sink_attention_rows)
 from .hparams import HParams, HParamsError, _get, _positive, decoder_hparams
 from .hyper_connections import HyperConnection, hc_head, hc_post, hc_pre
 from .moe import MoEHParams, MoEWeights, load_moe, weighted_sum
@@ -271,17 +275,21 @@ def _hash_table(tensors: dict, name: str, hp: Deepseek4HParams) -> np.ndarray:
     return table
 
 
-def load_layer(tensors: dict, il: int, hp: Deepseek4HParams, int8: str) -> Deepseek4Layer:
-    p = f"blk.{il}."
+def load_layer(tensors: dict, il: int, hp: Deepseek4HParams, int8: str, *,
+               prefix: str | None = None, ratio: int | None = None,
+               hashed: bool | None = None) -> Deepseek4Layer:
+    """Decoder block ``il`` (``blk.{il}.*``); an MTP block passes its ``prefix`` (ds4's
+    ``mtp.0.``), ``ratio`` 0 and ``hashed`` False."""
+    p = f"blk.{il}." if prefix is None else prefix
     H, NH, D = hp.n_embd, hp.n_head, hp.head_dim
     mix = (2 + hp.hc) * hp.hc
-    ratio = hp.compress_ratios[il]
+    ratio = hp.compress_ratios[il] if ratio is None else ratio
     gdim = NH * D // hp.o_groups
     R = hp.o_lora_rank
     wo_a = _linear(tensors, p + "attn_output_a.weight", hp.o_groups * R, gdim, int8)
     groups = [Linear(wo_a.name, wo_a.raw[g * R:(g + 1) * R], wo_a.fmt, (R, gdim), int8=wo_a.int8)
               for g in range(hp.o_groups)]
-    hashed = il < hp.n_hash_layers
+    hashed = il < hp.n_hash_layers if hashed is None else hashed
     layer = Deepseek4Layer(
         attn_norm=_vector(tensors, p + "attn_norm.weight", H),
         sinks=_vector(tensors, p + "attn_sinks.weight", NH),
@@ -470,7 +478,7 @@ def _rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def attention(h: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams, cache: CompressedCache,
-              slot: int, positions: np.ndarray, ropes: dict) -> np.ndarray:
+              slot: int, positions: np.ndarray, ropes: dict, hi: np.ndarray | None = None) -> np.ndarray:
     """The attention block's output (k, n_embd) for input rows h at ``positions``; writes the
     layer's rows (cache layer ``slot``) and the entries they complete."""
     k = h.shape[0]
@@ -518,8 +526,13 @@ def attention(h: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams, cache: Co
                 sel[t, :n_vis[t]] = np.arange(n_vis[t])
             n_sel = n_vis.astype(np.int64)
     o = np.empty((k, NH, D), f)
-    sink_attention(q, cache.raw[slot], positions, hp.n_swa, comp, sel, n_sel, lw.sinks,
-                   f(1.0 / np.sqrt(f(D))), o)
+    if hi is None:
+        sink_attention(q, cache.raw[slot], positions, hp.n_swa, comp, sel, n_sel, lw.sinks,
+                       f(1.0 / np.sqrt(f(D))), o)
+    else:  # a ratio-0 layer whose rows see raw rows up to hi (a DSpark block: bidirectional)
+        lo = np.maximum(positions - hp.n_swa + 1, 0).astype(np.int64)
+        sink_attention_rows(q, cache.raw[slot], lo, np.ascontiguousarray(hi, np.int64), lw.sinks,
+                            f(1.0 / np.sqrt(f(D))), o)
     _rope_tail(o, positions, ropes[kind + "_inverse"], R)  # undo the rope of the values
     G = hp.o_groups
     gdim = NH * D // G
@@ -551,15 +564,169 @@ def _compress(h, c: Compressor, ratio, positions, kv_rows, score_rows, entries, 
 
 def layer_forward(x: np.ndarray, tokens: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams,
                   cache: CompressedCache, il: int, slot: int, positions: np.ndarray,
-                  ropes: dict) -> np.ndarray:
-    """One layer on the streams x (k, hc * n_embd); returns the new streams."""
+                  ropes: dict, hi: np.ndarray | None = None) -> np.ndarray:
+    """One layer on the streams x (k, hc * n_embd); returns the new streams. ``hi`` (ratio-0
+    layers): each row sees the raw rows of its window up to hi[t] (exclusive) instead of up to
+    its own position."""
     H, hc = hp.n_embd, hp.hc
     cur, post, comb = hc_pre(x, lw.hc_attn, hc, H, hp.rms_eps, hp.hc_eps, hp.hc_iters)
-    a = attention(_rmsnorm(cur, lw.attn_norm, hp.rms_eps), lw, hp, cache, slot, positions, ropes)
+    a = attention(_rmsnorm(cur, lw.attn_norm, hp.rms_eps), lw, hp, cache, slot, positions, ropes,
+                  hi)
     x = hc_post(a, x, post, comb, hc, H)
     cur, post, comb = hc_pre(x, lw.hc_ffn, hc, H, hp.rms_eps, hp.hc_eps, hp.hc_iters)
     ff = moe_block(_rmsnorm(cur, lw.ffn_norm, hp.rms_eps), tokens, lw, hp, il)
     return hc_post(ff, x, post, comb, hc, H)
+
+
+# --- the MTP layer, for the MTP drafter (speculative/mtp.py) -------------------------------------
+
+
+def _mtp_hparams(hp: Deepseek4HParams) -> tuple[Deepseek4HParams, int]:
+    """(hparams, index) the MTP block runs with: its clamps are the file's entry after the
+    decoder blocks when there is one (llama.cpp's block_count counts it), else the last
+    block's (ds4's file carries no metadata; its clamp is one constant)."""
+    il = hp.n_layer
+    if len(hp.clamp_exp) > il and len(hp.clamp_shexp) > il:
+        return hp, il
+    return dataclasses.replace(hp, clamp_exp=hp.clamp_exp[:il] + (hp.clamp_exp[il - 1],),
+                               clamp_shexp=hp.clamp_shexp[:il] + (hp.clamp_shexp[il - 1],)), il
+
+
+class Deepseek4MtpHead:
+    """DeepSeek V4's MTP layer as the MTP drafter runs it (ds4's ``mtp.0.*`` head, or llama.cpp's
+    NextN block embedded in the model file). Per row, with h the target's hyper-connection
+    streams (hc, n_embd) before its head and t the next token:
+
+        e = e_proj(enorm(embed(t)))                     the same for every stream
+        x = e + h_proj(hnorm(h[s])) for each stream s   (llama.cpp: eh_proj over [e; h[s]])
+        y = this module's decoder layer on x            compress ratio 0: the raw sliding window
+                                                        with sinks, plain rope (rope.freq_base),
+                                                        the experts by score + bias (no hash)
+        logits = output(norm(hc_head(y)))               ds4: the head's own mtp.0.hc_head_* and
+                                                        mtp.0.norm; llama.cpp: the model's
+                                                        output_hc_* and nextn.shared_head_norm
+
+    y (the streams) is what the next recursive draft reads as h. The layer's cache is a
+    one-layer CompressedCache of raw rows: truncating it is the exact rollback."""
+
+    def __init__(self, model: "Deepseek4Transformer", weights):
+        self.t = model
+        self.w = weights
+        self.hp, self.il = _mtp_hparams(model.hp)
+        self.cache = model.new_cache(n_layer=1)
+        self.rows = model.chunk
+        self.hc_head = weights.hc_head if weights.hc_head is not None else model.weights.hc_head
+        self.hidden_width = model.hp.hc * model.hp.n_embd
+
+    def run(self, hidden: np.ndarray, tokens, start_pos: int) -> np.ndarray:
+        """Layer outputs (k, hc * n_embd) for rows at positions start_pos.. from the target-side
+        streams ``hidden`` (k, hc * n_embd) and the next tokens (k,); writes the cache rows."""
+        hp, w = self.hp, self.w
+        H, hc = hp.n_embd, hp.hc
+        f = np.float32
+        k = len(tokens)
+        out = np.empty((k, hc * H), f)
+        for c0 in range(0, k, self.rows):
+            c1 = min(k, c0 + self.rows)
+            n = c1 - c0
+            ids = np.ascontiguousarray(np.asarray(tokens[c0:c1], np.int64))
+            e = self.t.weights.token_embd.rows(ids) if w.embed is None else w.embed.rows(ids)
+            e = _rmsnorm(np.ascontiguousarray(e, f), w.enorm, hp.rms_eps)
+            h = np.ascontiguousarray(hidden[c0:c1], f).reshape(n * hc, H)
+            h = _rmsnorm(h, w.hnorm, hp.rms_eps)
+            x = np.empty((n * hc, H), f)
+            if w.eh_proj is not None:
+                w.eh_proj.matmul(np.ascontiguousarray(np.concatenate([np.repeat(e, hc, axis=0), h],
+                                                                     axis=1)), x)
+            else:
+                w.h_proj.matmul(h, x)
+                ep = np.empty((n, H), f)
+                w.e_proj.matmul(e, ep)
+                x += np.repeat(ep, hc, axis=0)
+            positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
+            y = layer_forward(x.reshape(n, hc * H), ids, w.layer, hp, self.cache, self.il, 0,
+                              positions, self.t.ropes)
+            self.cache.length = start_pos + c1
+            out[c0:c1] = y
+        return out
+
+    def head(self, y: np.ndarray):
+        """(y, logits): the streams themselves (the next draft's h) and the target's logits."""
+        hp = self.hp
+        z = hc_head(np.ascontiguousarray(y), self.hc_head, hp.hc, hp.n_embd, hp.rms_eps, hp.hc_eps)
+        normed = _rmsnorm(z, self.w.norm, hp.rms_eps)
+        logits = np.empty((y.shape[0], hp.n_vocab), np.float32)
+        (self.t.weights.output if self.w.output is None else self.w.output).matmul(normed, logits)
+        return y, logits
+
+
+# --- DSpark stages, for the DSpark drafter (speculative/dspark.py) -------------------------------
+
+
+class Deepseek4DSpark:
+    """ds4's DeepSeek V4 DSpark draft (``deepseek4-dspark``: stages ``mtp.0.`` .. ``mtp.S-1.``) as
+    the DSpark drafter runs it, as llama.cpp's DeepSeek V4 DSpark graph computes it:
+
+        ctx(t)   = main_norm(main_proj([mean over streams of target layer l's output at t]))
+        stage j's context row at t: rope(kv_norm_j(wkv_j(ctx(t))))      (plain rope, raw cache)
+        block    = hc copies of embed([anchor, noise x (B - 1)]) at positions a .. a + B - 1
+        each stage: this module's decoder layer (ratio 0), its rows seeing the context rows of
+                    their window before a and the whole block (bidirectional)
+        z        = hc_head(streams) (the final stage's hc_head_*): the confidence head's input
+        logits   = output(norm(z))
+
+    Context rows persist; the block's rows are dropped after each round (the cache length
+    stays at the context)."""
+
+    def __init__(self, model: "Deepseek4Transformer", w):
+        hp = model.hp
+        self.t = model
+        self.w = w
+        S = len(w.layers)
+        last = hp.n_layer - 1  # the stages' clamps: the target's last block's
+        self.hp = dataclasses.replace(hp, clamp_exp=(hp.clamp_exp[last],) * S,
+                             clamp_shexp=(hp.clamp_shexp[last],) * S)
+        self.cache = model.new_cache(n_layer=S)
+        self.n_ctx_rows = 0
+
+    def add_context(self, feats: np.ndarray, start: int) -> None:
+        hp, w = self.hp, self.w
+        n = feats.shape[0]
+        ctx = np.empty((n, hp.n_embd), np.float32)
+        w.fc.matmul(np.ascontiguousarray(feats, np.float32), ctx)
+        ctx = _rmsnorm(ctx, w.hidden_norm, hp.rms_eps)
+        positions = np.arange(start, start + n, dtype=np.int64)
+        if n and positions[-1] >= self.cache.n_ctx:
+            raise ValueError("the DSpark context exceeds the cache")
+        for j, lw in enumerate(w.layers):
+            kv = np.empty((n, hp.head_dim), np.float32)
+            lw.wkv.matmul(ctx, kv)
+            kv = _rmsnorm(kv, lw.kv_norm, hp.rms_eps)
+            _rope_tail(kv.reshape(n, 1, hp.head_dim), positions, self.t.ropes["plain"], hp.n_rot)
+            self.cache.raw[j, positions] = kv
+        self.n_ctx_rows = start + n
+        self.cache.length = self.n_ctx_rows
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self.n_ctx_rows = 0
+
+    def block(self, anchor: int):
+        """(z, normed), each (B, n_embd), for [anchor, noise x (B-1)]; None without room."""
+        hp, w = self.hp, self.w
+        B = w.block_size
+        a = self.n_ctx_rows
+        if a + B > self.cache.n_ctx:
+            return None
+        ids = np.asarray([anchor] + [w.mask_token_id] * (B - 1), np.int64)
+        x = self.t.embed(ids)
+        positions = np.arange(a, a + B, dtype=np.int64)
+        hi = np.full(B, a + B, np.int64)
+        for j, lw in enumerate(w.layers):
+            x = layer_forward(x, ids, lw, self.hp, self.cache, j, j, positions, self.t.ropes, hi)
+        self.cache.length = a
+        z = hc_head(x, w.hc_head, hp.hc, hp.n_embd, hp.rms_eps, hp.hc_eps)
+        return z, _rmsnorm(z, w.norm, hp.rms_eps)
 
 
 class Deepseek4Transformer(Transformer):
@@ -567,6 +734,83 @@ class Deepseek4Transformer(Transformer):
     CompressedCache; the Transformer's forward checks, thread policy and result."""
 
     dense_mtp_heads = False
+
+    # --- the MTP layer, for the MTP drafter ----------------------------------------------------
+
+    def mtp_head(self, weights) -> Deepseek4MtpHead:
+        """The runnable MTP head (``cache``, ``run``, ``head``) over ``weights``
+        (speculative.mtp.MtpHeadWeights with this module's layer)."""
+        return Deepseek4MtpHead(self, weights)
+
+    def load_nextn_layer(self, tensors: dict, block: int, int8: str) -> Deepseek4Layer:
+        """The MTP block ``blk.{block}.*`` of llama.cpp's layout (compress ratio 0, experts by
+        score: llama.cpp asserts both); raises WeightsError."""
+        ratios = self.hp.compress_ratios
+        if block < len(ratios) and ratios[block] != 0:
+            raise WeightsError(f"{ARCH}.attention.compress_ratios gives the MTP block {block} "
+                               f"ratio {ratios[block]}; the MTP layer attends over its raw "
+                               f"window only (ratio 0)")
+        return load_layer(tensors, block, self.hp, int8, ratio=0, hashed=False)
+
+    def load_ds4_dspark(self, sf, int8: str):
+        """ds4's DSpark support file (``deepseek4-dspark``) as DSparkWeights whose ``backbone``
+        runs its stages (Deepseek4DSpark); the file was validated against this model."""
+        from ..errors import about
+        from .speculative.dspark import DSparkWeights
+        hp_s = sf.hparams
+        if sf.architecture != "deepseek4-dspark":
+            raise UsageError(about(sf.path, f"is a {sf.architecture} DSpark draft; a {ARCH} model "
+                                            f"drafts with deepseek4-dspark files"))
+        t = sf.gguf.tensors
+        hp = self.hp
+        H, V, r = hp.n_embd, hp.n_vocab, hp_s.markov_rank
+        S = hp_s.n_layer
+        last = f"mtp.{S - 1}."
+        n_t = len(hp_s.target_layers)
+        head = HyperConnection(_linear(t, last + "hc_head_fn.weight", hp.hc, hp.hc * H, "none"),
+                               _vector(t, last + "hc_head_scale.weight", 1),
+                               _vector(t, last + "hc_head_base.weight", hp.hc))
+        conf = _linear(t, last + "confidence_head.proj.weight", 1, H + r, "none")
+        w = DSparkWeights(
+            fc=_linear(t, "mtp.0.main_proj.weight", H, n_t * H, int8),
+            hidden_norm=_vector(t, "mtp.0.main_norm.weight", H),
+            layers=[load_layer(t, hp.n_layer, hp, int8, prefix=f"mtp.{j}.", ratio=0, hashed=False)
+                    for j in range(S)],
+            norm=_vector(t, last + "norm.weight", H),
+            markov_w1=_linear(t, last + "markov_head.markov_w1.weight", V, r, "none"),
+            markov_w2=_linear(t, last + "markov_head.markov_w2.weight", V, r, int8),
+            conf_w=conf.dequantize()[0].astype(np.float64), conf_b=0.0, hparams=hp,
+            block_size=hp_s.block_size, markov_rank=r, mask_token_id=hp_s.mask_token_id,
+            target_layers=tuple(hp_s.target_layers),
+            source=f"{sf.path}, ds4 layout: {S} DeepSeek V4 stages", backbone=Deepseek4DSpark,
+            hc_head=head)
+        return w
+
+    def load_ds4_mtp_head(self, sf, int8: str):
+        """ds4's MTP support file (``mtp.0.*``: e_proj / h_proj, the block, its own hc_head) as
+        MtpHeadWeights; the file was validated against this model. Raises WeightsError."""
+        from ..errors import about
+        from .speculative.mtp import MtpHeadWeights
+        t = sf.gguf.tensors
+        p = "mtp.0."
+        hp = self.hp
+        H = hp.n_embd
+        if (p + "hc_head_fn.weight") not in t:
+            raise UsageError(about(sf.path, f"is an MTP head in ds4's dense layout (a llama/qwen3 "
+                                            f"layer); a {ARCH} model drafts with DeepSeek V4's "
+                                            f"MTP layer (mtp.0 with hyper-connections and "
+                                            f"experts)"))
+        head = HyperConnection(_linear(t, p + "hc_head_fn.weight", hp.hc, hp.hc * H, "none"),
+                               _vector(t, p + "hc_head_scale.weight", 1),
+                               _vector(t, p + "hc_head_base.weight", hp.hc))
+        return MtpHeadWeights(
+            enorm=_vector(t, p + "enorm.weight", H), hnorm=_vector(t, p + "hnorm.weight", H),
+            norm=_vector(t, p + "norm.weight", H),
+            layer=load_layer(t, hp.n_layer, hp, int8, prefix=p, ratio=0, hashed=False),
+            e_proj=_linear(t, p + "e_proj.weight", H, H, int8),
+            h_proj=_linear(t, p + "h_proj.weight", H, H, int8), hc_head=head,
+            source=f"MTP support model loaded: {sf.path} (ds4 layout: DeepSeek V4 MTP layer "
+                   f"mtp.0 with its own hyper-connection head)")
 
     def __init__(self, hp: Deepseek4HParams, weights: Deepseek4Weights, *, n_ctx: int,
                  cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
@@ -617,7 +861,6 @@ class Deepseek4Transformer(Transformer):
 
     def _forward(self, tokens, start_pos, hidden_layers, want_final_hidden, logits, cache):
         k = tokens.shape[0]
-        want_rows = logits == "all" or want_final_hidden
         hidden = {i: [] for i in hidden_layers}
         finals, logit_rows = [], []
         cache.length = start_pos
@@ -628,11 +871,10 @@ class Deepseek4Transformer(Transformer):
             positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
             x = self.run_layers(x, positions, positions + 1, cache, hidden, tokens=toks)
             cache.length = start_pos + c1
-            if want_rows:
-                normed, lg = self.output(x) if logits == "all" else (self._norm(x), None)
-                finals.append(normed)
-                if lg is not None:
-                    logit_rows.append(lg)
+            if logits == "all":
+                logit_rows.append(self.output(x)[1])
+            if want_final_hidden:  # the streams before the head: what the MTP layer reads
+                finals.append(x)
             if logits == "last" and c1 == k:
                 logit_rows.append(self.output(x[-1:])[1])
         result = ForwardResult(None, {i: np.concatenate(v) for i, v in hidden.items()})

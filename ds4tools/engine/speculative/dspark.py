@@ -48,6 +48,11 @@ class DSparkWeights:
     mask_token_id: int
     target_layers: tuple[int, ...]   # DeepSpec numbering: raw output of layer l; -1 = embedding
     source: str = ""
+    #: an architecture whose draft is not dense llama/qwen3 layers (deepseek4: DeepSeek V4
+    #: stages) brings its own: backbone(target, weights) -> an object with ``add_context(feats,
+    #: start)``, ``clear()``, ``block(anchor)`` -> (confidence input, normed) or None, ``cache``
+    backbone: object = None
+    hc_head: object = None           # deepseek4: the final stage's hyper-connection head
 
 
 #: largest (V x V) float32 Markov table kept in memory (vocabularies up to 4096 tokens)
@@ -77,6 +82,16 @@ class DSparkDrafter(Drafter):
         self.block = block
         self.threshold = float(confidence)
         self.hidden_layers = tuple(sorted({l for l in weights.target_layers if l >= 0}))
+        self.bb = None if weights.backbone is None else weights.backbone(target, weights)
+        V = target.hp.n_vocab
+        self.markov_table = None
+        if V * V * 4 <= MARKOV_TABLE_BYTES:
+            w1 = weights.markov_w1.dequantize()                      # (V, rank)
+            w2 = weights.markov_w2.dequantize()                      # (V, rank)
+            self.markov_table = np.ascontiguousarray(w1 @ w2.T, np.float32)  # [prev, token]
+        if self.bb is not None:
+            self.cache = self.bb.cache
+            return
         hp = self.hp
         self.cache = target.new_cache(n_layer=len(weights.layers))
         self.rope = kernels.rope_tables(target.n_ctx, hp.n_rot, hp.rope_freq_base,
@@ -84,15 +99,9 @@ class DSparkDrafter(Drafter):
         self.rows = max(B, target.chunk)
         self.ws = Workspace(hp, self.rows)
         self.n_ctx_rows = 0
-        # The Markov bias W2 . W1[prev] depends only on the previous token: for a small
-        # vocabulary keep the whole (V, V) table (the demo's: 16 MB) and look rows up, instead
-        # of a (V x rank) matrix-vector product per drafted position.
-        V = target.hp.n_vocab
-        self.markov_table = None
-        if V * V * 4 <= MARKOV_TABLE_BYTES:
-            w1 = weights.markov_w1.dequantize()                      # (V, rank)
-            w2 = weights.markov_w2.dequantize()                      # (V, rank)
-            self.markov_table = np.ascontiguousarray(w1 @ w2.T, np.float32)  # [prev, token]
+        # (the Markov table above: the bias W2 . W1[prev] depends only on the previous token,
+        # so for a small vocabulary the whole (V, V) table (the demo's: 16 MB) is kept and its
+        # rows looked up, instead of a (V x rank) matrix-vector product per drafted position)
 
     # --- context rows ---------------------------------------------------------------------------
 
@@ -131,11 +140,19 @@ class DSparkDrafter(Drafter):
         self.cache.length = self.n_ctx_rows
 
     def start(self, prompt, prefill) -> None:
+        if self.bb is not None:
+            self.bb.clear()
+            self.bb.add_context(self._features(prefill.hidden, prompt, len(prompt)), 0)
+            return
         self.cache.clear()
         self._add_context(self._features(prefill.hidden, prompt, len(prompt)), 0)
 
     def commit(self, anchor, proposal, n_accepted, verify) -> None:
         tokens = [int(anchor)] + [int(t) for t in proposal.tokens[:n_accepted]]
+        if self.bb is not None:
+            self.bb.add_context(self._features(verify.hidden, tokens, n_accepted + 1),
+                                self.bb.n_ctx_rows)
+            return
         self._add_context(self._features(verify.hidden, tokens, n_accepted + 1), self.n_ctx_rows)
 
     # --- the block ------------------------------------------------------------------------------
@@ -164,7 +181,11 @@ class DSparkDrafter(Drafter):
 
     def propose(self, anchor, max_tokens, sampler, rng) -> Proposal:
         n = min(self.block, max_tokens)
-        h = self._block(int(anchor))
+        if self.bb is not None:
+            out = self.bb.block(int(anchor))
+            h, h_out = (None, None) if out is None else out  # confidence input, normed rows
+        else:
+            h = h_out = self._block(int(anchor))
         if h is None:  # no room in the context for a block: decode without drafts
             return Proposal()
         # The lm_head is the draft's largest matrix: it runs once, on the n slots that can be
@@ -184,7 +205,7 @@ class DSparkDrafter(Drafter):
                     cut = True
                     break
             if U is None:
-                U = self._base_logits(h[:n])
+                U = self._base_logits(np.ascontiguousarray(h_out[:n]))
             if self.markov_table is not None:
                 z = U[k] + self.markov_table[prev]
             else:

@@ -17,15 +17,18 @@ from .mtp import MtpHeadWeights
 def _mtp_from_support(sf, hp: HParams, int8: str, model=None) -> MtpHeadWeights:
     t = sf.gguf.tensors
     p = "mtp.0."
+    if model is not None and hasattr(model, "load_ds4_mtp_head"):
+        # DeepSeek V4: ds4's own MTP file (mtp.0 with hyper-connections and experts)
+        return model.load_ds4_mtp_head(sf, int8)
     if model is not None and not model.dense_mtp_heads:
         raise UsageError(about(sf.path, f"is an MTP head in ds4's layout (mtp.0.*: a dense "
                                         f"llama/qwen3 layer); a {hp.arch} model drafts with its "
                                         f"own NextN layer: --glm-mtp, or --mtp with llama.cpp's "
                                         f"MTP-only file (ds4tools quantize --mtp-out)"))
     if (p + "attn_q_a.weight") in t or (p + "hc_head_fn.weight") in t:
-        raise UsageError(about(sf.path, "is a DeepSeek V4 MTP head (mtp.0 with hyper-connections and "
-                                        "experts); the engine runs llama/qwen3 targets, whose MTP "
-                                        "heads are dense qwen3/llama layers"))
+        raise UsageError(about(sf.path, f"is a DeepSeek V4 MTP head (mtp.0 with hyper-connections "
+                                        f"and experts): it drafts for deepseek4 models; a {hp.arch} "
+                                        f"model's ds4-layout MTP head is a dense qwen3/llama layer"))
     H = hp.n_embd
     return MtpHeadWeights(
         enorm=_vector(t, p + "enorm.weight", H), hnorm=_vector(t, p + "hnorm.weight", H),
@@ -130,8 +133,11 @@ def _draft_hparams(target_hp: HParams, sf) -> HParams:
         rope_freq_base=d.rope_base or target_hp.rope_freq_base, n_rot=hd)
 
 
-def _dspark_from_support(sf, target_hp: HParams, int8: str) -> DSparkWeights:
+def _dspark_from_support(sf, target_hp: HParams, int8: str, model=None) -> DSparkWeights:
     hp_s = sf.hparams
+    if hp_s.layout != "llama.cpp" and model is not None and hasattr(model, "load_ds4_dspark"):
+        # DeepSeek V4: ds4's own DSpark file (stages mtp.0..; the model class runs them)
+        return model.load_ds4_dspark(sf, int8)
     if hp_s.layout != "llama.cpp":
         raise UsageError(about(sf.path, f"is a DSpark support file in ds4's DeepSeek V4 layout "
                                         f"({sf.architecture}); the engine runs DSpark drafts for "
@@ -173,6 +179,6 @@ def open_support_for(path, target_path, target_hp: HParams, int8: str, model=Non
     try:
         if sf.kind == MTP_KIND:
             return "mtp", _mtp_from_support(sf, target_hp, int8, model)
-        return "dspark", _dspark_from_support(sf, target_hp, int8)
+        return "dspark", _dspark_from_support(sf, target_hp, int8, model)
     except WeightsError as err:
         raise InvalidContentError(about(sf.path, str(err))) from None

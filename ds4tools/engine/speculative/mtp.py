@@ -15,6 +15,10 @@ gives d_{j+1}. After verification the head's cache is rolled back to its true ro
 committed positions are re-run with the target's real hidden states the next time it drafts
 (batched with that step's first row).
 
+DeepSeek V4 (deepseek4): the hidden state is the target's hyper-connection streams before its
+head, the layer runs on streams and the head collapses them (deepseek4.Deepseek4MtpHead, made by
+the model's ``mtp_head(weights)``); the recursion reads the layer's output streams.
+
 ``decoder_layer`` is the target architecture's own layer, with a one-layer cache of the target's
 kind (KVCache; deepseek2's LatentCache; glm-dsa's DSACache): the target model's ``load_nextn_layer(tensors,
 block, int8)`` loads it and ``nextn_layer(layer_weights)`` makes it runnable (an object with
@@ -47,6 +51,8 @@ class MtpHeadWeights:
     source: str = ""                   # for the load-time log line
     embed: Linear | None = None        # NextN's own embed_tokens (None: the target's)
     output: Linear | None = None       # NextN's own shared_head.head (None: the target's)
+    hc_head: object = None             # DeepSeek V4: the head's own hyper-connection collapse
+                                       # (ds4's mtp.0.hc_head_*; None: the target's)
 
     def __post_init__(self):
         if (self.eh_proj is None) == (self.e_proj is None or self.h_proj is None):
@@ -112,10 +118,13 @@ class MtpDrafter(Drafter):
             raise ValueError(f"--mtp-draft {max_draft}: must be in 1..16")
         if not margin >= 0:
             raise ValueError(f"--mtp-margin {margin}: must not be negative")
-        self.mtp = MtpHead(target, weights)
+        # an architecture whose MTP layer is not a plain decoder layer over one hidden row
+        # (deepseek4: hyper-connection streams) brings its own head with MtpHead's interface
+        make = getattr(target, "mtp_head", None)
+        self.mtp = make(weights) if make is not None else MtpHead(target, weights)
         self.max_draft = max_draft
         self.margin = float(margin)
-        self._pend_h = np.zeros((0, target.hp.n_embd), np.float32)
+        self._pend_h = np.zeros((0, getattr(self.mtp, "hidden_width", target.hp.n_embd)), np.float32)
         self._pend_tokens: list[int] = []
         self._pos = 0  # head rows [0, _pos) are computed from the target's true hidden states
 
