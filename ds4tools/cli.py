@@ -205,9 +205,13 @@ def inspect_cmd(file, as_json, tensors, keys, target):
 @click.option("--lookup", type=int, metavar="N",
               help="Prompt lookup: draft up to N tokens copied after the latest earlier match of "
                    "the last 3/2/1 tokens (no model).")
+@click.option("--tp", type=int, metavar="N",
+              help="Tensor parallelism over N processes (mpiexec; needs the tp extra). Under "
+                   "mpiexec -n N the processes join that world (docs/engine.md).")
 def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, seed, ctx, threads,
             cache_type, exact, stats, as_json, mtp_file, mtp_draft, mtp_margin, glm_mtp,
-            glm_mtp_timing, dspark, dspark_block_size, dspark_confidence, dspark_strict, lookup):
+            glm_mtp_timing, dspark, dspark_block_size, dspark_confidence, dspark_strict, lookup,
+            tp):
     """Generate a continuation of a prompt (printed as it comes, without the prompt).
 
     Speculative decoding (lossless: greedy output is token-identical to plain decoding, sampled
@@ -220,12 +224,23 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
                       mtp_margin=mtp_margin, dspark_block_size=dspark_block_size,
                       dspark_confidence=dspark_confidence, dspark_strict=dspark_strict,
                       lookup=lookup, timing=glm_mtp_timing)
+    from .tp.session import world_size_from_env
+    kwargs = dict(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
+                  temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
+                  threads=threads, cache_type=cache_type, exact=exact, stats=stats,
+                  as_json=as_json, spec=spec if spec.active else None,
+                  resolve_model=resolve_model)
     with _interrupts(), _reported_errors():  # run itself exits 130 when generation is interrupted
-        code = run(model=model, prompt=prompt, prompt_file=prompt_file, n_predict=n_predict,
-                   temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
-                   threads=threads, cache_type=cache_type, exact=exact, stats=stats,
-                   as_json=as_json, spec=spec if spec.active else None,
-                   resolve_model=resolve_model)
+        if tp is not None and tp < 1:
+            raise UsageError(f"--tp {tp}: must be at least 1")
+        if world_size_from_env() > 1:  # one rank of an MPI world: tensor parallelism
+            from .tp.launch import run_rank
+            code = run_rank(tp, kwargs)
+        elif tp is not None and tp > 1:  # start the ranks
+            from .tp.launch import launch
+            code = launch(tp, sys.argv[1:], threads)
+        else:
+            code = run(**kwargs)
     sys.exit(code)
 
 

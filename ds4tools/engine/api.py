@@ -86,11 +86,12 @@ class Engine:
     (equal to the float64 reference on the dequantized weights to float32 rounding);
     otherwise every quantized matrix takes ggml's int8-activation path (``int8`` "default" or
     "all"; "none" is the same as ``exact=True``).
-    ``cache_type``: "f32" or "f16"."""
+    ``cache_type``: "f32" or "f16". ``tp``: a ds4tools.tp session: this process runs one
+    rank's shard of the model under tensor parallelism."""
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
                  cache_type: str = "f32", exact: bool = False, int8: str = "default",
-                 chunk: int = DEFAULT_CHUNK, spec=None):
+                 chunk: int = DEFAULT_CHUNK, spec=None, tp=None):
         if int8 not in INT8_MODES:
             raise UsageError(f"unknown int8 mode {int8!r} (use {', '.join(INT8_MODES)})")
         if cache_type not in CACHE_TYPES:
@@ -129,7 +130,11 @@ class Engine:
         self.int8_mode = int8
         ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
         self._model_options = dict(n_ctx=ctx, cache_type=cache_type, chunk=chunk)
-        self.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+        if tp is None:
+            self.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+        else:  # this rank's shard (ds4tools.tp): the same decoder on narrowed weights
+            self.model = tp.make_model(self.architecture, self.hparams, self.weights,
+                                       **self._model_options)
         self._shares_file = False  # a clone(): the file belongs to the engine it came from
         self.last_stats: GenerationStats | None = None
         self.last_spec_stats = None

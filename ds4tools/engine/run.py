@@ -37,13 +37,15 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, top_k=40,
         top_p=0.95, min_p=0.05, seed=None, ctx=None, threads=None, cache_type="f32",
         exact=False, stats=False, as_json=False, spec=None, resolve_model=None, stdout=None,
-        stderr=None) -> int:
+        stderr=None, tp=None) -> int:
     """Run one generation; returns the exit code (0, or 130 when interrupted).
 
     ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding.
     ``resolve_model``: called as ``resolve_model(model, spec)`` once the request is checked and
     before anything loads, it returns the ``(model, spec)`` to run (the CLI passes
-    ``ds4tools.demo.resolve_model``: without -m, the bundled demo and its draft files)."""
+    ``ds4tools.demo.resolve_model``: without -m, the bundled demo and its draft files).
+    ``tp``: the leader's ds4tools.tp session (tensor parallelism: the workers load their shards
+    with the same options; MTP falls back to plain decoding)."""
     from .api import Engine, resolve_seed
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr
@@ -55,7 +57,13 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
         spec = spec.resolved(temperature=temp)  # refuse wrong combinations before loading
     if resolve_model is not None:
         model, spec = resolve_model(model, spec)
-    engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
+    if tp is None:
+        engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
+    else:
+        spec = tp.check_spec(spec, err)
+        tp.start(dict(model=model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact))
+        engine = tp.open_engine(lambda: Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type,
+                                               exact=exact, spec=spec, tp=tp), err)
     if engine.drafter is not None:
         print(f"ds4tools: {engine.drafter.describe()}", file=err)
         if engine.spec.timing:
@@ -85,6 +93,8 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
         doc = {"model": engine.path, "text": "".join(pieces), "tokens": ids, "stats": st.as_dict()}
         if sp is not None:
             doc["stats"]["speculative"] = sp.as_dict()
+        if tp is not None:
+            doc["stats"]["tensor_parallel"] = tp.as_dict()
         out.write((json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8"))
     else:
         out.write(b"\n")
@@ -93,7 +103,8 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
                   "bytes are not printed", file=err)
     out.flush()
     if stats:
-        for line in st.summary_lines() + (sp.summary_lines() if sp is not None else []):
+        for line in (st.summary_lines() + (sp.summary_lines() if sp is not None else [])
+                     + (tp.summary_lines() if tp is not None else [])):
             print(line, file=err)
     return code
 

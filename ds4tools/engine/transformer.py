@@ -168,6 +168,12 @@ class Transformer:
         finally:
             numba.set_num_threads(n)
 
+    @property
+    def layer_hp(self) -> HParams:
+        """The hyper-parameters the decoder layers run with: the model's (a tensor-parallel
+        shard narrows its heads and FFN rows: ds4tools.tp)."""
+        return self.hp
+
     def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None) -> KVCache:
         """A cache shaped for this model (``n_layer`` other than the model's: for a drafter's
         own layers); at most the model's context, which the rope tables cover."""
@@ -280,7 +286,8 @@ class Transformer:
             raise ValueError(f"x must be C-contiguous float32 of shape (k, {self.hp.n_embd})")
         if positions.shape != (k,) or limits.shape != (k,):
             raise ValueError("positions and limits need one entry per row")
-        if cache.k.shape[1:] != (self.hp.n_head_kv, cache.n_ctx, self.hp.head_dim):
+        hp = self.layer_hp
+        if cache.k.shape[1:] != (hp.n_head_kv, cache.n_ctx, hp.head_dim):
             raise ValueError("the cache does not fit this model's attention shape")
         if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
                   or limits.min() < 1 or limits.max() > cache.n_ctx):
@@ -288,7 +295,7 @@ class Transformer:
         for il in (range(self.hp.n_layer) if layers is None else layers):
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
-            layer_forward(x, self.weights.layers[il], self.hp, cache, il, positions, limits,
+            layer_forward(x, self.weights.layers[il], hp, cache, il, positions, limits,
                           self.rope, self.ws)
             if hidden is not None and il in hidden:
                 hidden[il].append(x.copy())
