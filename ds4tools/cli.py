@@ -72,8 +72,8 @@ def main():
 @click.option("-o", "--output", "out", type=click.Path(), metavar="OUT.gguf",
               help="Output GGUF (required unless --dry-run).")
 @click.option("--type", "type_", metavar="TYPE",
-              help="A llama.cpp mix (Q4_K_M, Q8_0, Q2_K, IQ2_XXS...) or any tensor type "
-                   "(required; Q8_0 by default with --dspark-out).")
+              help="A llama.cpp mix (Q4_K_M, Q8_0, Q2_K, IQ2_XXS...), ds4's DeepSeek V4 mix DS4_Q2, "
+                   "or any tensor type (required; Q8_0 by default with --dspark-out).")
 @click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
               help="Type for tensors whose name matches REGEX (partial match, first wins).")
 @click.option("--output-tensor-type", metavar="TYPE", help="Type of output.weight.")

@@ -15,7 +15,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from .errors import InvalidContentError, UsageError
 
 __all__ = ["FTYPES", "ALIASES", "Target", "resolve_target", "TypeChooser", "allows_quantization",
-           "tensor_category", "is_quantized", "block_size", "llama_cpp_order"]
+           "tensor_category", "is_quantized", "block_size", "llama_cpp_order", "PRESETS",
+           "ds4_q2_type"]
 
 # A mix's name -> its default tensor type (llama_ftype_get_default_type)
 _DEFAULT_TYPE = {
@@ -36,6 +37,36 @@ ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 GUESSED_FTYPE = int(LlamaFileType.GUESSED)
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"}
+
+# --- presets next to llama.cpp's mixes: other tools' recipes, by the name they go under ----------
+
+#: ds4's 2-bit DeepSeek V4 recipe ("q2", its files' names spell it out:
+#: IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8): routed gate / up experts IQ2_XXS, routed down experts
+#: Q2_K, the attention projections, shared experts and output Q8_0, the token embedding and the
+#: hyper-connection / compressor / indexer / router matrices F16; vectors F32 and the hash
+#: table I32 as they are. IQ2_XXS takes the --imatrix file, else ds4's synthetic one.
+DS4_Q2 = "DS4_Q2"
+#: preset -> (general.file_type, the names it is also called by)
+PRESETS = {DS4_Q2: (int(LlamaFileType.MOSTLY_IQ2_XXS), ("IQ2XXS-W2Q2K-APROJQ8-SEXPQ8-OUTQ8",))}
+_PRESET_ALIASES = {alias: name for name, (_, aliases) in PRESETS.items() for alias in aliases}
+_DS4_ATTN_PROJ = re.compile(r"^blk\.\d+\.attn_(q_a|q_b|kv|output_a|output_b)\.weight$")
+
+
+def ds4_q2_type(name: str, n_dims: int) -> str | None:
+    """The type ds4's 2-bit recipe gives a tensor (None: kept as it is: vectors, the I32 table)."""
+    if n_dims < 2 or not name.endswith("weight") or "ffn_gate_tid2eid" in name:
+        return None
+    if "ffn_gate_exps" in name or "ffn_up_exps" in name:
+        return "IQ2_XXS"
+    if "ffn_down_exps" in name:
+        return "Q2_K"
+    if name == "token_embd.weight":
+        return "F16"
+    if name == "output.weight" or "_shexp." in name or _DS4_ATTN_PROJ.search(name):
+        return "Q8_0"
+    if any(s in name for s in ("hc_", "compressor", "indexer", "ffn_gate_inp")):
+        return "F16"
+    return "Q8_0"
 
 # Where llama.cpp moves a type whose block does not divide a row (tensor_type_fallback)
 _FALLBACK = {
@@ -131,6 +162,9 @@ def resolve_target(name: str, available) -> Target:
     llama-quantize), else a plain format of the registry."""
     key = name.strip().upper()
     key = ALIASES.get(key, key)
+    key = _PRESET_ALIASES.get(key, key)
+    if key in PRESETS:
+        return Target(key, "Q8_0", PRESETS[key][0], True)
     if key in _DEFAULT_TYPE:
         default = _DEFAULT_TYPE[key]
         if default not in available:
@@ -139,7 +173,7 @@ def resolve_target(name: str, available) -> Target:
         return Target(key, default, FTYPES[key], True)
     if key in available:
         return Target(key, key, GUESSED_FTYPE, False)
-    known = sorted(set(_DEFAULT_TYPE) | set(ALIASES) | set(available))
+    known = sorted(set(_DEFAULT_TYPE) | set(ALIASES) | set(PRESETS) | set(available))
     raise UsageError(f"--type {name}: unknown type or mix (known: {', '.join(known)})")
 
 
@@ -193,6 +227,8 @@ class TypeChooser:
 
     def choose(self, name: str, ggml_shape) -> Choice | None:
         """The output type of a weight, or None when llama.cpp leaves the tensor as it is."""
+        if self.target.name == DS4_Q2 and not self.pure:
+            return self._ds4_q2(name, ggml_shape)
         if not allows_quantization(name, len(ggml_shape)):
             return None
         cat = tensor_category(name)
@@ -209,6 +245,23 @@ class TypeChooser:
         if self.target.is_mix and not self.pure:
             choice.type_name = self._mix_rule(name, cat, ggml_shape, choice.type_name)
         return self._fit(choice, ggml_shape, name)
+
+    def _ds4_q2(self, name: str, ggml_shape) -> Choice | None:
+        """ds4's 2-bit recipe (DS4_Q2); --token-embedding-type, --output-tensor-type and
+        --tensor-type still take precedence."""
+        t = ds4_q2_type(name, len(ggml_shape))
+        if t is None:
+            return None
+        cat = tensor_category(name)
+        if self.token_embedding_type and cat == TOKEN_EMBD:
+            return self._fit(Choice(self.token_embedding_type, "--token-embedding-type"), ggml_shape, name)
+        if self.output_type and cat == OUTPUT:
+            return self._fit(Choice(self.output_type, "--output-tensor-type"), ggml_shape, name)
+        for pattern, type_name in self.overrides:
+            if pattern.search(name):
+                return self._fit(Choice(type_name, f"--tensor-type {pattern.pattern}"), ggml_shape, name)
+        choice = Choice(t, "ds4 q2")
+        return self._fit(choice, ggml_shape, name) if is_quantized(t) else choice
 
     def _fit(self, choice: Choice, ggml_shape, name: str) -> Choice:
         """tensor_type_fallback: a type whose block does not divide the row length gives way."""
@@ -375,6 +428,8 @@ class TypeChooser:
         """tensor_requires_imatrix: the very low-bit types need one (not for the embeddings)."""
         if tensor_category(name) in (TOKEN_EMBD, OUTPUT):
             return False
+        if self.target.name in PRESETS:
+            return False  # ds4 quantizes with its synthetic imatrix when there is no file
         if type_name in ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_M", "IQ1_S"):
             return True
         return type_name == "Q2_K" and self.target.name == "Q2_K_S"

@@ -240,7 +240,7 @@ def test_hf_unsupported_architecture(small_hf, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     quantize_fails(d, 1, "unsupported architecture GPT2LMHeadModel (supported: LlamaForCausalLM, "
                          "Qwen3ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-                         "Glm4MoeForCausalLM, GlmMoeDsaForCausalLM)", tmp_path)
+                         "Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, DeepseekV4ForCausalLM)", tmp_path)
 
 
 def test_hf_broken_config_and_safetensors(small_hf, tmp_path):

@@ -8,7 +8,8 @@ Weights stay on disk until the quantizer asks for one tensor. NextN/MTP layers (
 (``blk.L.nextn.*`` plus the block's ordinary tensors, ``{arch}.nextn_predict_layers``).
 
 Mixture-of-experts checkpoints (DeepSeek V2/V3, GLM-4.5, GLM-5) are converted by
-``ds4tools.quantize.convert_moe``; ``open_hf`` picks the converter from config.json.
+``ds4tools.quantize.convert_moe``, DeepSeek V4 by ``ds4tools.quantize.convert_deepseek4``;
+``open_hf`` picks the converter from config.json.
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def open_hf(folder, report=lambda msg: None, keep_nextn: bool = False,
     """A Hugging Face directory as a quantizer source: dense (``HFSource``) or a mixture of
     experts (``MoEHFSource``); ``nextn_part`` ("trunk" / "mtp") is for the latter only."""
     ckpt = HFCheckpoint(folder)
+    from .convert_deepseek4 import Deepseek4HFSource, is_deepseek4_config
+    if is_deepseek4_config(ckpt.config):
+        if nextn_part is not None:
+            raise InvalidContentError(about(ckpt.folder, "a DeepSeek V4 checkpoint's MTP layer is "
+                                                         "written as ds4's MTP support file"))
+        return Deepseek4HFSource(ckpt, report=report, nextn="keep" if keep_nextn else "drop")
     family = moe_family(ckpt.config)
     if family is None:
         if nextn_part is not None:
@@ -88,7 +95,7 @@ def open_hf(folder, report=lambda msg: None, keep_nextn: bool = False,
 
 
 def _supported() -> str:
-    return ", ".join([*ARCHITECTURES, *MOE_ARCHITECTURES])
+    return ", ".join([*ARCHITECTURES, *MOE_ARCHITECTURES, "DeepseekV4ForCausalLM"])
 
 
 class HFSource(ModelSource):

@@ -95,6 +95,8 @@ def quantize_model(src, out, options: QuantizeOptions, report=_stderr) -> Quanti
     from ..support.commands import quantize_support, wants_support
     if options.mtp_out and not options.dspark_out and _is_moe_checkpoint(src):
         return _split_moe_nextn(src, out, options, report)
+    if options.mtp_out and not options.dspark_out and _is_deepseek4_checkpoint(src):
+        return _deepseek4_with_mtp(src, out, options, report)
     if wants_support(options):
         start = time.perf_counter()
         _check_run_options(options)
@@ -117,6 +119,59 @@ def _is_moe_checkpoint(src) -> bool:
         return False  # the ordinary path reports it
     from .convert import moe_family
     return isinstance(cfg, dict) and moe_family(cfg) is not None
+
+
+def _hf_config(src):
+    import json
+    path = os.path.join(os.fspath(src), "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return None  # the ordinary path reports it
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _is_deepseek4_checkpoint(src) -> bool:
+    from .convert_deepseek4 import is_deepseek4_config
+    cfg = _hf_config(src)
+    return cfg is not None and is_deepseek4_config(cfg)
+
+
+def _deepseek4_with_mtp(src, out, options: QuantizeOptions, report) -> QuantizeResult:
+    """``--mtp-out`` on a DeepSeek V4 checkpoint: the model (llama.cpp's deepseek4 layout, no
+    MTP block) to -o, and its MTP layer ``mtp.0.*`` as ds4's MTP support file."""
+    from dataclasses import replace
+    from ..support.commands import quantize_support
+    start = time.perf_counter()
+    mtp = options.mtp_out
+    if options.only_support and out:
+        raise UsageError("--only-support writes only the support file: drop -o")
+    if options.keep_nextn:
+        raise UsageError("--keep-nextn embeds the NextN layers; --mtp-out splits them out: "
+                         "use one of them")
+    if not options.only_support and out is None and not options.dry_run:
+        raise UsageError("an output path (-o OUT.gguf) is required unless --dry-run or "
+                         "--only-support")
+    if out is not None and os.path.abspath(os.fspath(out)) == os.path.abspath(os.fspath(mtp)):
+        raise UsageError(about(mtp, "the support file and -o name the same file"))
+    if not options.dry_run:
+        for path in ([mtp] if out is None else [out, mtp]):
+            if os.path.exists(path) and not options.overwrite:
+                raise UsageError(about(os.path.abspath(os.fspath(path)),
+                                       "already exists (pass --overwrite to replace it)"))
+    lines, plan = [], None
+    if not options.only_support:
+        r = _quantize_model(src, out, replace(options, mtp_out=None, only_support=False), report)
+        lines.append(r.summary)
+        plan = r.plan
+    _check_run_options(options)
+    lines += quantize_support(src, None, replace(options, only_support=True), report,
+                              _quantize_model)
+    return QuantizeResult(plan if options.dry_run else None, os.fspath(out) if out else None,
+                          time.perf_counter() - start, "\n".join(lines))
 
 
 def _split_moe_nextn(src, out, options: QuantizeOptions, report) -> QuantizeResult:
@@ -250,7 +305,7 @@ def _stream(writer, source: ModelSource, plan: Plan, imatrix, options: QuantizeO
 def _produce(e: PlanEntry, t, source: ModelSource, imatrix, device: str) -> np.ndarray:
     if e.action == "copy":
         return t.raw()
-    if t.load_part is not None and e.imatrix != "synthetic":
+    if t.load_part is not None:
         return _produce_by_part(e, t, source, imatrix, device)
     values = t.load_float32()
     weights = None
@@ -274,8 +329,12 @@ def _produce_by_part(e: PlanEntry, t, source: ModelSource, imatrix, device: str)
         w = weights
         if w is not None and np.ndim(w) == 2:
             w = w[i] if w.shape[0] == e.shape[0] else w[0]
+        part = t.load_part(i)
+        if e.imatrix == "synthetic":  # ds4's, per expert: that of the whole tensor, sliced
+            from ..gguf_io.imatrix import synthetic_imatrix
+            w = synthetic_imatrix(part)
         try:
-            parts.append(formats.quantize(t.load_part(i), e.out_type, imatrix=w, device=device))
+            parts.append(formats.quantize(part, e.out_type, imatrix=w, device=device))
         except ValueError as err:
             raise InvalidContentError(about(source.path, f"tensor '{e.name}': {err}")) from None
     return np.stack(parts)

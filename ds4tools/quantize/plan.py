@@ -157,7 +157,8 @@ def build_plan(source: ModelSource, type_name: str, *, pure: bool = False,
         t = by_name[name]
         choice = chooser.choose(name, tuple(reversed(t.shape)))
         if choice is None:  # llama.cpp keeps it: stored bytes from a GGUF, float32 from HF
-            out = t.type_name if source.kind == "gguf" else "F32"
+            # (an integer table, DeepSeek V4's token -> experts, as I32)
+            out = t.type_name if source.kind == "gguf" or t.type_name == "I32" else "F32"
             e = PlanEntry(name, t.shape, t.type_name, out, "", t.n_bytes, _nbytes(t.shape, out), "kept")
         else:
             out = choice.type_name
@@ -170,7 +171,7 @@ def build_plan(source: ModelSource, type_name: str, *, pure: bool = False,
                     and is_quantized(out)):
                 requantized.append(name)
             _attach_imatrix(e, chooser, imatrix, imatrix_path, plan)
-        if source.kind == "gguf" and e.src_type == e.out_type:
+        if (source.kind == "gguf" or t.raw is not None) and e.src_type == e.out_type:
             e.action = "copy"
         elif is_quantized(e.out_type):
             e.action = "quantize"

@@ -98,11 +98,7 @@ def _mtp_source(src: str, options, target):
     if os.path.isdir(src):
         cfg = hf_config(src)
         from .hf_dsv4 import is_dsv4_config
-        if is_dsv4_config(cfg):
-            if not options.only_support:
-                raise UsageError(about(src, "converting the DeepSeek V4 model itself is not "
-                                            "supported; pass --only-support to write its MTP "
-                                            "support file alone"))
+        if is_dsv4_config(cfg):  # the model itself converts in quantize's pipeline first
             return build.mtp_from_dsv4(src, target)
         return build.mtp_from_hf(src, target)
     if not os.path.exists(src):
