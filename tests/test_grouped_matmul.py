@@ -105,3 +105,47 @@ def test_bad_input_is_a_value_error():
         grouped_matmul(raw[:, :, :-1], "Q8_0", N_OUT, N_IN, x, np.array([[0], [1]]))
     with pytest.raises(ValueError, match="out"):
         grouped_matmul(raw, "Q8_0", N_OUT, N_IN, x, np.array([[0], [1]]), out=np.empty((2, 2, N_OUT), np.float32))
+
+
+# --- the K-quants' one-call kernel (formats.grouped.grouped_kq) --------------------------------
+
+K_FORMATS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("k", [1, 3, 45])
+def test_k_quants_one_call_equals_per_row_matmul(fmt, k):
+    # k = 45 over 3 experts: ~45 rows each, past the fused kernels (4) and a token block (32);
+    # an odd expert count and a last weight tile cut short (N_OUT = 40 is not a multiple of 16)
+    raw = _experts(fmt, 7)
+    rng = np.random.default_rng(k + 10)
+    x = rng.standard_normal((k, N_IN)).astype(np.float32)
+    ids = _ids(rng, k, 3, np.array([5, 0, 3]))
+    got = grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids)
+    np.testing.assert_array_equal(got, _reference(raw, fmt, x, ids, True))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_gate_and_up_in_one_call(fmt):
+    from ds4tools.formats.grouped import grouped_kq, kq_kind, prepare_rows, sort_pairs
+    gate, up = _experts(fmt, 8), _experts(fmt, 9)
+    rng = np.random.default_rng(11)
+    k, n_used = 7, 2
+    x = rng.standard_normal((k, N_IN)).astype(np.float32)
+    ids = rng.integers(0, N_EXPERT, (k, n_used))
+    order = np.empty(k * n_used, np.int64)
+    starts = np.empty(N_EXPERT + 1, np.int64)
+    experts = np.empty(N_EXPERT, np.int64)
+    n = sort_pairs(ids, N_EXPERT, order, starts, experts)
+    assert list(experts[:n]) == sorted(set(ids.ravel().tolist()))
+    assert sorted(order.tolist()) == list(range(k * n_used))
+    kind = kq_kind(fmt)
+    act = quantize_activations(x, "Q8_K")
+    bufs = prepare_rows(kind, act, order // n_used, int(np.diff(starts[:n + 1]).max()))
+    g = np.empty((k * n_used, N_OUT), np.float32)
+    u = np.empty_like(g)
+    grouped_kq(kind, gate, up, 2, *bufs, starts, experts, n, g, u)
+    want_g = grouped_matmul(gate, fmt, N_OUT, N_IN, x, ids).reshape(k * n_used, N_OUT)
+    want_u = grouped_matmul(up, fmt, N_OUT, N_IN, x, ids).reshape(k * n_used, N_OUT)
+    np.testing.assert_array_equal(g, want_g[order])
+    np.testing.assert_array_equal(u, want_u[order])

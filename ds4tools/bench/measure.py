@@ -30,9 +30,35 @@ def memcpy_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def decode_weight_bytes(engine) -> int:
-    """Bytes of weights one decode step reads: every matrix but the embedding (one row)."""
-    return sum(lin.nbytes for lin in engine.weights.linears())
+def decode_weight_bytes(engine, rows: int = 1) -> int:
+    """Bytes of weights one forward of ``rows`` tokens reads (default: a decode step): every
+    matrix but the embedding (one row); of a mixture-of-experts tensor only the experts the
+    forwards of that many rows used, on average since ``reset_expert_reads`` (each expert
+    counted once per forward however many rows chose it). Before any such forward: the top-k
+    experts of one row."""
+    total = 0.0
+    for lin in engine.weights.linears():
+        per_call = getattr(lin, "bytes_per_call", None)
+        total += per_call(rows) if per_call is not None else lin.nbytes
+    return int(round(total))
+
+
+def reset_expert_reads(engine) -> None:
+    """Forget the experts recorded so far (see decode_weight_bytes)."""
+    for lin in engine.weights.linears():
+        reset = getattr(lin, "reset_reads", None)
+        if reset is not None:
+            reset()
+
+
+def forward_weight_bytes(engine) -> int:
+    """Bytes of weights the last forward read: every matrix but the embedding, of an expert
+    tensor the experts that forward used."""
+    total = 0
+    for lin in engine.weights.linears():
+        last = getattr(lin, "last_read", None)
+        total += last * lin.expert_nbytes if last is not None else lin.nbytes
+    return total
 
 
 def prefill_seconds(engine, tokens, repeat: int) -> float:

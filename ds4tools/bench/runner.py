@@ -197,10 +197,12 @@ def _measure(engine, opts: BenchOptions, ids: list[int], sizes: list[int]) -> di
                                   "seconds": times[k], "tps": k / times[k], "r": r})
             step("r(k)")
 
+        measure.reset_expert_reads(engine)  # MoE: count the experts the decode steps use
         for n, temp in blocks:
             plain, rows = _sweep_block(engine, ids, n, temp, opts, swept(temp), step)
             name = _test_name(n, depth, temp)
             if temp == 0:
+                info["weight_bytes_per_token"] = measure.decode_weight_bytes(engine)
                 gbps = info["weight_bytes_per_token"] * plain["tps"] / 1e9
                 doc["tg"].append({"test": name, "n_tokens": n, "depth": depth,
                                   "decode_tokens": plain["decode_tokens"], "seconds": plain["seconds"],

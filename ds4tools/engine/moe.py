@@ -9,9 +9,12 @@
     out    = sum_j weights[j] * down_j(silu(gate_j h) * up_j h)   over the chosen experts
            + the shared experts (a plain SwiGLU FFN every row goes through)
 
-GGUF keeps each projection of all experts in one 3-D tensor; ``ExpertMatrices`` multiplies
-through ``formats.grouped_matmul``, which reads each expert some row chose once per forward and
-never touches the others (their pages of the memory-mapped file stay on disk).
+GGUF keeps each projection of all experts in one 3-D tensor, read only for the experts some
+row chose, once per forward (unused experts' pages of the memory-mapped file stay on disk).
+With K-quant experts on the int8 path (the Q*_K mixes) the whole routed part is one compiled
+call (``routed_experts_kq``): the (row, slot) pairs sorted by expert, two parallel kernels
+(gate + up of every used expert and of the shared FFN; then every down), no Python per expert.
+Other formats go through ``ExpertMatrices.matmul`` -> ``formats.grouped_matmul`` per projection.
 
 A row's result depends only on that row: routing is per row, grouped_matmul gives a row the
 bits a plain matmul of that row would give, and the weighted sum adds the experts in the row's
@@ -28,7 +31,11 @@ import numpy as np
 from numba import njit
 
 from .. import formats
-from ..formats.grouped import grouped_matmul
+from ..formats.activations import quantize_q8_k, quantize_q8_k_parallel
+from ..formats.grouped import (_prep_rows, grouped_kq_shared, grouped_matmul, kq_kind,
+                               sort_pairs)
+from ..formats.kquants import _QK_FUSED_TOKENS
+from ..formats._int8dot import K_AFFINE, K_PAIRED, KPAIR_BYTES
 from . import kernels
 from .hparams import HParamsError, _get, _positive
 from .weights import Linear, SharedInput, WeightsError, _linear, _tensor, _vector, int8_for
@@ -120,34 +127,86 @@ def moe_hparams_from_metadata(meta: dict, arch: str, n_layer: int, *,
 
 class ExpertMatrices:
     """The n_expert matrices (n_out, n_in) of one projection, kept as the 3-D tensor's raw
-    GGUF blocks (a view of the memory map: no copy, unused experts never read)."""
+    GGUF blocks (a view of the memory map: no copy, unused experts never read).
 
-    __slots__ = ("name", "raw", "fmt", "n_expert", "n_out", "n_in", "int8")
+    Every multiply records how many distinct experts it read, by the number of rows of the
+    call (``reads``: rows -> [calls, experts read]; ``last_read``: the last call's), so a
+    benchmark can count the bytes a forward really streams (``expert_nbytes`` each)."""
+
+    __slots__ = ("name", "raw", "fmt", "n_expert", "n_out", "n_in", "int8", "n_used", "reads",
+                 "last_read", "kq_kind")
 
     def __init__(self, name: str, raw: np.ndarray, fmt, n_expert: int, n_out: int, n_in: int,
-                 *, int8: bool = False):
+                 *, int8: bool = False, n_used: int | None = None):
         self.name = name
         self.fmt = formats.get_format(fmt)
         self.n_expert, self.n_out, self.n_in = int(n_expert), int(n_out), int(n_in)
-        self.raw = np.asarray(raw)
+        raw = np.asarray(raw)
+        shape3 = (self.n_expert, self.n_out, self.fmt.row_bytes(self.n_in))
+        if raw.flags.c_contiguous and raw.size == int(np.prod(shape3)):
+            raw = raw.reshape(shape3)  # a view: the grouped kernels index experts directly
+        self.raw = raw
         #: whether matmul takes ggml's int8-activation path (same rule as Linear)
         self.int8 = bool(int8 and self.fmt.has_int8_matmul)
+        #: experts one row uses (the routing's top-k), or None where every expert is read
+        self.n_used = n_used
+        self.reads: dict[int, list[int]] = {}
+        self.last_read = 0
+        #: the K-quant kind when the one-call grouped kernel runs this tensor (int8 path)
+        self.kq_kind = kq_kind(self.fmt) if self.int8 and raw.ndim == 3 else None
 
     @property
     def nbytes(self) -> int:
         return self.raw.nbytes
 
-    def matmul(self, x, expert_ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out[t, j] = x[t] @ W[expert_ids[t, j]].T; x float32 (k, n_in) or a SharedInput."""
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's matrix."""
+        return self.raw.nbytes // self.n_expert
+
+    def record(self, rows: int, n_read: int) -> None:
+        """Count one multiply of ``rows`` rows that read ``n_read`` distinct experts."""
+        r = self.reads.get(rows)
+        if r is None:
+            self.reads[rows] = [1, n_read]
+        else:
+            r[0] += 1
+            r[1] += n_read
+        self.last_read = n_read
+
+    def reset_reads(self) -> None:
+        self.reads.clear()
+        self.last_read = 0
+
+    def bytes_per_call(self, rows: int = 1) -> float:
+        """Average bytes a multiply of ``rows`` rows read, over the calls recorded since
+        reset_reads; without any: the top-k's experts for one row, else the whole tensor."""
+        r = self.reads.get(rows)
+        if r is not None and r[0]:
+            return r[1] / r[0] * self.expert_nbytes
+        if rows == 1 and self.n_used is not None:
+            return min(self.n_used, self.n_expert) * self.expert_nbytes
+        return float(self.nbytes)
+
+    def matmul(self, x, expert_ids: np.ndarray, out: np.ndarray, *, record: bool = True) -> np.ndarray:
+        """out[t, j] = x[t] @ W[expert_ids[t, j]].T; x float32 (k, n_in) or a SharedInput.
+        ``record``: count the experts read under the call's row count (see ``reads``)."""
         shared = x if isinstance(x, SharedInput) else None
         rows = shared.x if shared is not None else x
         act = shared.quantized(self.fmt.act_type) if shared is not None and self.int8 else None
+        if record:
+            ids = np.asarray(expert_ids)
+            self.record(ids.shape[0], _distinct(ids))
         return grouped_matmul(self.raw, self.fmt, self.n_out, self.n_in, rows, expert_ids, out,
                               int8=self.int8, act=act)
 
     def __repr__(self) -> str:
         return (f"<ExpertMatrices {self.name} {self.fmt.name} {self.n_expert}x{self.n_out}x{self.n_in}"
                 f"{' int8' if self.int8 else ''}>")
+
+
+def _distinct(ids: np.ndarray) -> int:
+    return int(np.unique(ids).size) if ids.size > 1 else int(ids.size)
 
 
 @dataclass
@@ -198,7 +257,7 @@ def _experts(tensors: dict, name: str, hp: MoEHParams, count_key: str, n_out: in
         raise WeightsError(f"tensor {name}: row length {n_in} is not a multiple of "
                            f"{fmt.name}'s block size {fmt.block_size}")
     return ExpertMatrices(name, np.asarray(t.raw()), fmt, hp.n_expert, n_out, n_in,
-                          int8=int8_for(fmt, int8, n_in))
+                          int8=int8_for(fmt, int8, n_in), n_used=hp.n_expert_used)
 
 
 def load_moe(tensors: dict, prefix: str, hp: MoEHParams, n_embd: int, arch: str, int8: str, *,
@@ -240,6 +299,11 @@ class MoEWorkspace:
         self.shared_up = np.empty((rows, hp.n_ff_shexp), f)
         self.shared_out = np.empty((rows, n_embd), f)
         self.no_bias = np.zeros(0, f)
+        # the one-call path: the (row, slot) pairs sorted by expert (see formats.grouped)
+        self.order = np.empty(rows * hp.n_expert_used, np.int64)
+        self.starts = np.empty(hp.n_expert + 1, np.int64)
+        self.experts = np.empty(hp.n_expert, np.int64)
+        self.pos = np.empty((rows, hp.n_expert_used), np.int64)
 
 
 @njit(cache=True, error_model="numpy")
@@ -343,6 +407,171 @@ def feed_forward(h, ffn: FeedForward, gate: np.ndarray, up: np.ndarray, out: np.
     ffn.w_down.matmul(gate, out)
 
 
+def _fast_path(w: MoEWeights) -> bool:
+    """Whether the routed experts run through the one-call grouped kernels: the K-quants on
+    the int8 path, gate and up of one format."""
+    g, u, d = w.gate_exps, w.up_exps, w.down_exps
+    return (g.kq_kind is not None and d.kq_kind is not None and u.kq_kind == g.kq_kind
+            and g.fmt.act_type == "Q8_K" and d.fmt.act_type == "Q8_K")
+
+
+@njit(cache=True, error_model="numpy")
+def weighted_sum_sorted(down, pos, weights, out):
+    """weighted_sum with the (row, slot) results at down[pos[t, j]] (sorted by expert): the same
+    products and the same order of additions, so the same bits."""
+    k, n_used = pos.shape
+    n = down.shape[1]
+    for t in range(k):
+        w0 = weights[t, 0]
+        r0 = down[pos[t, 0]]
+        for i in range(n):
+            out[t, i] = r0[i] * w0
+        for j in range(1, n_used):
+            w = weights[t, j]
+            r = down[pos[t, j]]
+            for i in range(n):
+                out[t, i] = out[t, i] + r[i] * w
+
+
+def _shared_fast(w: MoEWeights):
+    """The shared FFN's K-quant kinds (gate / up, down) when it can join the grouped calls."""
+    sh = w.shared
+    if sh is None or not (sh.w_gate.int8 and sh.w_up.int8 and sh.w_down.int8):
+        return None
+    kg, ku, kd = (kq_kind(m.fmt) for m in sh.linears())
+    if kg is None or kg != ku or kd is None:
+        return None
+    return kg, kd
+
+
+@njit(cache=True)
+def _q8k(x):
+    # ggml's quantize_row_q8_K of every row (activations.quantize_activations(x, "Q8_K"))
+    k, n = x.shape
+    q = np.empty((k, n), np.int8)
+    d = np.empty((k, n // 256), np.float32)
+    sums = np.empty((k, n // 16), np.int32)
+    if k >= 64:
+        quantize_q8_k_parallel(x, q, d, sums)
+    else:
+        quantize_q8_k(x, q, d, sums)
+    return q, d, sums
+
+
+@njit(cache=True)
+def _prepared(kind, q, d, sums, rows, max_count):
+    # formats.grouped.prepare_rows: rows of the Q8_K activations in the kernels' layouts
+    m = rows.shape[0]
+    n = q.shape[1]
+    nsb = n // 256
+    tiles = K_PAIRED[kind] and max_count > _QK_FUSED_TOKENS
+    if K_PAIRED[kind]:
+        n_pairs = (nsb + 1) // 2
+        xq_f = np.empty((m, n), np.uint8)
+        xq_t = np.empty((m, KPAIR_BYTES * n_pairs) if tiles else (1, 1), np.uint8)
+        dx = np.empty((m, 16 * n_pairs), np.float32)
+        dxs = np.empty((m, 16 * n_pairs), np.float32)
+    else:
+        xq_f = np.empty((m, n), np.uint8)
+        xq_t = np.empty((1, 1), np.uint8)
+        dx = np.empty((m, nsb), np.float32)
+        dxs = np.empty((m, n // 16 if K_AFFINE[kind] else 1), np.float32)
+    _prep_rows(kind, q, d, sums, rows, xq_f, xq_t, dx, dxs, tiles)
+    return xq_f, xq_t, dx, dxs
+
+
+@njit(cache=True)
+def _swiglu_rows(gate, up):
+    if gate.shape[0] >= 64:
+        kernels._swiglu_parallel(gate, up, gate)
+    else:
+        tmp = np.empty(256, np.float32)
+        for t in range(gate.shape[0]):
+            kernels._swiglu_row(gate[t], up[t], gate[t], tmp)
+
+
+@njit(cache=True)
+def routed_experts_kq(x, ids, weights, n_expert, g_kind, g_raw, u_raw, d_kind, d_raw,
+                      s_on, sg_kind, sg_raw, su_raw, sd_kind, sd_raw,
+                      order, starts, experts, pos, gate, up, down, s_gate, s_up, s_out, out):
+    """The routed experts of rows x (k, n_embd), K-quant weights on the int8 path, in one
+    compiled call: the (row, slot) pairs sorted by expert, x quantized once (Q8_K) and laid out
+    for the kernels, one parallel call for gate + up of every used expert (+ the shared FFN's
+    when ``s_on``), SwiGLU, one parallel call for down; out = the weighted sum (slots in rank
+    order) + the shared FFN's output (left in s_out). Returns the number of experts used."""
+    k = x.shape[0]
+    n_used = ids.shape[1]
+    P = k * n_used
+    n = sort_pairs(ids, n_expert, order, starts, experts)
+    rows = np.empty(P, np.int64)
+    for p in range(P):
+        o = order[p]
+        t = o // n_used
+        rows[p] = t
+        pos[t, o - t * n_used] = p
+    max_count = 1
+    for i in range(n):
+        max_count = max(max_count, starts[i + 1] - starts[i])
+    q, d, sums = _q8k(x)
+    xq_f, xq_t, dx, dxs = _prepared(g_kind, q, d, sums, rows, max_count)
+    all_rows = np.arange(k)
+    if s_on:
+        sxq_f, sxq_t, sdx, sdxs = _prepared(sg_kind, q, d, sums, all_rows, k)
+        grouped_kq_shared(g_kind, g_raw, u_raw, 2, xq_f, xq_t, dx, dxs, starts, experts, n,
+                          gate, up, sg_kind, sg_raw, su_raw, sxq_f, sxq_t, sdx, sdxs, k,
+                          s_gate, s_up)
+        _swiglu_rows(s_gate, s_up)
+    else:
+        grouped_kq_shared(g_kind, g_raw, u_raw, 2, xq_f, xq_t, dx, dxs, starts, experts, n,
+                          gate, up, sg_kind, sg_raw, su_raw, xq_f, xq_t, dx, dxs, 0,
+                          s_gate, s_up)
+    _swiglu_rows(gate, up)
+    q, d, sums = _q8k(gate)
+    xq_f, xq_t, dx, dxs = _prepared(d_kind, q, d, sums, np.arange(P), max_count)
+    if s_on:
+        q, d, sums = _q8k(s_gate)
+        sxq_f, sxq_t, sdx, sdxs = _prepared(sd_kind, q, d, sums, all_rows, k)
+        grouped_kq_shared(d_kind, d_raw, d_raw, 1, xq_f, xq_t, dx, dxs, starts, experts, n,
+                          down, down, sd_kind, sd_raw, sd_raw, sxq_f, sxq_t, sdx, sdxs, k,
+                          s_out, s_out)
+    else:
+        grouped_kq_shared(d_kind, d_raw, d_raw, 1, xq_f, xq_t, dx, dxs, starts, experts, n,
+                          down, down, sd_kind, sd_raw, sd_raw, xq_f, xq_t, dx, dxs, 0,
+                          s_out, s_out)
+    weighted_sum_sorted(down, pos, weights, out)
+    if s_on:
+        kernels.add_into(out, s_out)
+    return n
+
+
+_NO_RAW = np.zeros((1, 1), np.uint8)
+
+
+def _routed_experts_fast(h: np.ndarray, w: MoEWeights, hp: MoEHParams, ws: MoEWorkspace,
+                         ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> bool:
+    """The routed experts (and, where it can, the shared FFN: then added to out here) in one
+    compiled call (routed_experts_kq). Returns whether the shared FFN was done."""
+    k, n_embd = h.shape
+    n_used, F = hp.n_expert_used, hp.n_ff_exp
+    P = k * n_used
+    g, u, d = w.gate_exps, w.up_exps, w.down_exps
+    shared = _shared_fast(w)
+    if shared is not None:
+        sh = w.shared
+        s_args = (True, shared[0], sh.w_gate.raw, sh.w_up.raw, shared[1], sh.w_down.raw)
+    else:
+        s_args = (False, 0, _NO_RAW, _NO_RAW, 0, _NO_RAW)
+    n = routed_experts_kq(h, ids, weights, hp.n_expert, g.kq_kind, g.raw, u.raw, d.kq_kind, d.raw,
+                          *s_args, ws.order[:P], ws.starts, ws.experts, ws.pos[:k],
+                          ws.gate.reshape(-1, F)[:P], ws.up.reshape(-1, F)[:P],
+                          ws.down.reshape(-1, n_embd)[:P], ws.shared_gate[:k], ws.shared_up[:k],
+                          ws.shared_out[:k], out)
+    g.record(k, n)
+    u.record(k, n)
+    d.record(k, n)
+    return shared is not None
+
+
 def moe_forward(h: np.ndarray, w: MoEWeights, hp: MoEHParams, ws: MoEWorkspace,
                 out: np.ndarray) -> None:
     """out (k, n_embd) = the routed experts' weighted sum (+ the shared experts) of h."""
@@ -355,15 +584,23 @@ def moe_forward(h: np.ndarray, w: MoEWeights, hp: MoEHParams, ws: MoEWorkspace,
     select_experts(logits, ws.no_bias if w.selection_bias is None else w.selection_bias,
                    hp.gating == "sigmoid", hp.n_group, hp.n_group_used, hp.normalize_weights,
                    np.float32(hp.weights_scale), ids, weights)
-    gate, up = ws.gate[:k], ws.up[:k]
-    w.gate_exps.matmul(hs, ids, gate)
-    w.up_exps.matmul(hs, ids, up)
-    act = gate.reshape(k * n_used, F)
-    kernels.swiglu(act, up.reshape(k * n_used, F), act)
-    # each (row, slot) has its own input for the down projection: one row per pair
-    down = ws.down[:k]
-    w.down_exps.matmul(act, ids.reshape(k * n_used, 1), down.reshape(k * n_used, 1, n_embd))
-    weighted_sum(down, weights, out)
+    if _fast_path(w):
+        if _routed_experts_fast(h, w, hp, ws, ids, weights, out):
+            return  # the shared FFN too
+    else:
+        n_read = _distinct(ids)
+        for m in (w.gate_exps, w.up_exps, w.down_exps):
+            m.record(k, n_read)
+        gate, up = ws.gate[:k], ws.up[:k]
+        w.gate_exps.matmul(hs, ids, gate, record=False)
+        w.up_exps.matmul(hs, ids, up, record=False)
+        act = gate.reshape(k * n_used, F)
+        kernels.swiglu(act, up.reshape(k * n_used, F), act)
+        # each (row, slot) has its own input for the down projection: one row per pair
+        down = ws.down[:k]
+        w.down_exps.matmul(act, ids.reshape(k * n_used, 1), down.reshape(k * n_used, 1, n_embd),
+                           record=False)
+        weighted_sum(down, weights, out)
     if w.shared is not None:
         shared = ws.shared_out[:k]
         feed_forward(hs, w.shared, ws.shared_gate[:k], ws.shared_up[:k], shared)

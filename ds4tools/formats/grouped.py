@@ -15,16 +15,25 @@ slot ``j``, ``x[t] @ W[expert_ids[t, j]].T`` in one call:
   call, and activation rows are quantized independently. So a token's output does not depend on
   which other tokens share its batch or its experts.
 
-The loop over the *used* experts is a Python loop of compiled multi-row calls. Measured (2
-cores, busy machine, tiny 32x256 experts so the kernels cost nothing): about 5 us of Python
-routing per used expert at k=1 (10 us at k=16, where rows are gathered and scattered) plus
-3-5 us per kernel dispatch; next to reading one real expert (a 1408x2048 Q4_K matrix is 1.6 MB,
-~200-300 us) that is a few percent.
+The K-quants (Q2_K..Q6_K, the formats of the Q*_K mixes) on the int8 path run every used
+expert in one parallel call (``grouped_kq``, below): the (row, slot) pairs sorted by expert,
+each (expert, 16 weight rows) one task, so both threads stream every call and no Python runs
+per expert; the MoE block also runs gate and up of all experts in one such call. The other
+formats (and the float32 path) loop over the used experts in Python, one compiled multi-row
+call each: measured (2 cores, busy machine, tiny 32x256 experts so the kernels cost nothing)
+about 5 us of Python routing per used expert at k=1 (10 us at k=16) plus 3-5 us per kernel
+dispatch.
 """
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
+from . import kquants as _kq
+from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_PAIR,
+                       DOT_K_4x2_SYM, K_AFFINE, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES, KSUM,
+                       KSUM_STORE_4x4)
+from ._numeric import FP16_TO_FP32
 from .activations import QuantizedActivations, quantize_activations
 from .base import QuantFormat
 
@@ -120,6 +129,10 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
             act = quantize_activations(xa, f.act_type)
         elif act.kind != f.act_type or act.q.shape != (k, n_in):
             raise ValueError(f"act must be {f.act_type} activations of shape ({k}, {n_in})")
+    kind = kq_kind(f) if use_int8 else None
+    if kind is not None:  # the K-quants: one parallel call for every used expert
+        _grouped_kq_matmul(kind, r, act, ids, out.reshape(k * n_used, n_out))
+        return out
     for e, rows, slots, uniq, inv in route(ids, n_expert):
         tmp = np.empty((uniq.size, n_out), np.float32)
         if use_int8:
@@ -131,3 +144,238 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
         else:
             out[rows, slots] = tmp[inv]
     return out
+
+
+# --- one compiled call for every used expert (the K-quants' int8 path) -------------------------
+# The loop above dispatches one multi-row call per used expert. For the K-quants (the formats of
+# the Q*_K mixes) the experts are run instead by one parallel call per projection, or for gate
+# and up together: the (row, slot) pairs are sorted by expert (``sort_pairs``), the activation
+# rows gathered into that order once (``prepare_rows``), and every (expert, chunk of 16 weight
+# rows, matrix) is one task of a single prange, tasks ordered chunk-major so that a static split
+# of the range gives each thread part of every expert. A task runs exactly what
+# ``kquants._matmul_q8_kg`` runs for those rows (the fused register kernels for up to 4 tokens
+# of the expert, else the tiles), and those give a (row, token) the same bits whatever path,
+# split or token count computed it: so the results are bit-identical to ``grouped_matmul`` and
+# to a plain matmul of the row.
+
+
+_QK_K = 256
+
+
+@njit(cache=True)
+def sort_pairs(expert_ids, n_expert, order, starts, experts):
+    """Counting sort of the (row, slot) pairs of ``expert_ids`` (k, n_used) by expert:
+    ``order[p]`` is the flat pair index (row * n_used + slot) at position p, the pairs of the
+    i-th used expert ``experts[i]`` (increasing) lie at positions starts[i]..starts[i+1]-1 in
+    increasing row order. Returns the number of used experts."""
+    k, n_used = expert_ids.shape
+    counts = np.zeros(n_expert + 1, np.int64)
+    for t in range(k):
+        for j in range(n_used):
+            counts[expert_ids[t, j] + 1] += 1
+    n = 0
+    for e in range(n_expert):
+        if counts[e + 1]:
+            experts[n] = e
+            starts[n] = counts[e]
+            n += 1
+        counts[e + 1] += counts[e]
+    starts[n] = k * n_used
+    for t in range(k):
+        for j in range(n_used):
+            e = expert_ids[t, j]
+            order[counts[e]] = t * n_used + j
+            counts[e] += 1
+    return n
+
+
+@njit(cache=True, error_model="numpy")
+def _prep_rows(kind, q, d, sums, rows, xq_f, xq_t, dx, dxs, tiles):
+    # activation row rows[p] of (q, d, sums) into row p of the K layouts (kquants._prep_act_k*):
+    # xq_f the group layout (the fused kernels), xq_t the pair layout (Q4_K / Q5_K tiles, when
+    # ``tiles``), dx / dxs as the kernels take them
+    for p in range(rows.shape[0]):
+        t = rows[p]
+        if K_PAIRED[kind]:
+            _kq._prep_act_k_pair(q[t:t + 1], d[t:t + 1], sums[t:t + 1], xq_f[p:p + 1],
+                                 dx[p:p + 1], dxs[p:p + 1], True)
+            if tiles:
+                _kq._prep_act_k_pair(q[t:t + 1], d[t:t + 1], sums[t:t + 1], xq_t[p:p + 1],
+                                     dx[p:p + 1], dxs[p:p + 1], False)
+        else:
+            _kq._prep_act_k(q[t:t + 1], d[t:t + 1], sums[t:t + 1], 0 if K_AFFINE[kind] else 128,
+                            xq_f[p:p + 1], dx[p:p + 1], dxs[p:p + 1])
+
+
+def kq_act_buffers(kind: int, rows: int, n: int, tiles: bool):
+    """Empty (xq_f, xq_t, dx, dxs) for ``rows`` activation rows of length n of K-quant ``kind``."""
+    nsb = n // _QK_K
+    if K_PAIRED[kind]:
+        n_pairs = (nsb + 1) // 2
+        return (np.empty((rows, n), np.uint8),
+                np.empty((rows, KPAIR_BYTES * n_pairs) if tiles else (1, 1), np.uint8),
+                np.empty((rows, 16 * n_pairs), np.float32), np.empty((rows, 16 * n_pairs), np.float32))
+    return (np.empty((rows, n), np.uint8), np.empty((1, 1), np.uint8),
+            np.empty((rows, nsb), np.float32),
+            np.empty((rows, n // 16 if K_AFFINE[kind] else 1), np.float32))
+
+
+def prepare_rows(kind: int, act: QuantizedActivations, rows: np.ndarray, max_count: int):
+    """The Q8_K activation rows ``rows`` (in that order) laid out for ``grouped_kq``;
+    ``max_count``: the most pairs any one expert has (from 5 the Q4_K / Q5_K tiles need their
+    own layout)."""
+    tiles = bool(K_PAIRED[kind]) and max_count > _kq._QK_FUSED_TOKENS
+    xq_f, xq_t, dx, dxs = kq_act_buffers(kind, rows.shape[0], act.q.shape[1], tiles)
+    _prep_rows(kind, act.q, act.d, act.sums, rows, xq_f, xq_t, dx, dxs, tiles)
+    return xq_f, xq_t, dx, dxs
+
+
+@njit(cache=True, error_model="numpy")
+def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb):
+    # kquants._matmul_q8_kg for weight rows r_lo..r_hi-1 (whole tiles but the matrix's last)
+    # of raw and the activation rows s..e-1, into out[s:e, r_lo:r_hi]
+    n_out = raw.shape[0]
+    k = e - s
+    R = K_TILE_ROWS
+    if k <= _kq._QK_FUSED_TOKENS:
+        for r0 in range(r_lo, r_hi, R):
+            for t in range(0, k - 1, 2):
+                v = _kq._fused_k2(kind, raw, lut, xq_f, dx, dxs, s + t, r0)
+                for i in range(min(R, n_out - r0)):
+                    out[s + t, r0 + i] = v[2 * i]
+                    out[s + t + 1, r0 + i] = v[2 * i + 1]
+            if k % 2:
+                v = _kq._fused_k1(kind, raw, lut, xq_f, dx, dxs, e - 1, r0)
+                for i in range(min(R, n_out - r0)):
+                    out[e - 1, r0 + i] = v[i]
+        return
+    ts = _kq.TYPE_SIZE[kind]
+    nsb = raw.shape[1] // ts
+    affine = kind == 0 or kind == 2 or kind == 3
+    paired = kind == 2 or kind == 3
+    xq = xq_t if paired else xq_f
+    n_in = xq.shape[1]
+    n_groups = (nsb + 1) // 2 if paired else nsb
+    if paired:
+        run = max(1, run // 2)
+    w = np.empty((R, n_in), np.uint8)
+    dw = np.empty((R, 16 * n_groups), np.float32)
+    m = np.empty((R, 16 * n_groups), np.float32)
+    corr = np.empty((R, 16 * n_groups), np.int32)
+    acc = np.empty((R * tb, 16), np.float32)
+    for r0 in range(r_lo, r_hi, R):
+        for i in range(R):
+            _kq._unpack_row_k(kind, raw[min(r0 + i, n_out - 1)], lut, w[i], dw[i], m[i], corr[i], nsb)
+        for t0 in range(s, e, tb):
+            t1 = min(e, t0 + tb)
+            xb, dxb, dxsb = xq[t0:t1], dx[t0:t1], dxs[t0:t1]
+            kb = t1 - t0
+            acc[:R * kb, :] = 0
+            for g0 in range(0, n_groups, run):
+                g1 = min(n_groups, g0 + run)
+                for t in range(0, kb - 1, 2):
+                    if paired:
+                        DOT_K_4x2_PAIR(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
+                    elif affine:
+                        DOT_K_4x2_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
+                    else:
+                        DOT_K_4x2_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
+                if kb % 2:
+                    if paired:
+                        DOT_K_4x1_PAIR(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                    elif affine:
+                        DOT_K_4x1_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                    else:
+                        DOT_K_4x1_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+            t = 0
+            if r0 + R <= n_out:
+                for t in range(0, kb - 3, 4):
+                    KSUM_STORE_4x4(acc, t * R, out, t0 + t, r0)
+                t = kb - kb % 4
+            for i in range(min(R, n_out - r0)):
+                for tt in range(t, kb):
+                    out[t0 + tt, r0 + i] = KSUM(acc, tt * R + i)
+
+
+#: weight rows per task of grouped_kq (a multiple of K_TILE_ROWS)
+_GROUPED_ROWS_PER_TASK = 16
+
+
+_NO_ROWS = np.zeros((1, 1), np.uint8)
+
+
+def grouped_kq(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts, n_groups,
+               out_a, out_b):
+    """For every used expert i (``experts[i]``, activation rows starts[i]..starts[i+1]-1 of the
+    layouts ``prepare_rows`` made): out_a[rows] = rows @ raw_a[expert].T and, when ``n_mats``
+    is 2, out_b[rows] = rows @ raw_b[expert].T (gate and up together). raw_*: uint8
+    (n_expert, n_out, row bytes) of K-quant ``kind``; one parallel call, its tasks
+    (16 weight rows, matrix, expert) ordered chunk-major (a static split of the range gives
+    each thread part of every expert)."""
+    grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts, n_groups,
+                      out_a, out_b, kind, _NO_ROWS, _NO_ROWS, xq_f, xq_t, dx, dxs, 0, out_a, out_b)
+
+
+def kq_kind(fmt) -> int | None:
+    """The K-quant kind of a format (the grouped_kq path), or None."""
+    f = _get_format(fmt)
+    return _kq.KIND.get(f.name) if isinstance(f, _kq._KQuant) else None
+
+
+def _grouped_kq_matmul(kind: int, raw3d: np.ndarray, act: QuantizedActivations, ids: np.ndarray,
+                       out: np.ndarray) -> None:
+    # out (k * n_used, n_out): row t * n_used + j = activation row t times expert ids[t, j]
+    k, n_used = ids.shape
+    n_pairs = k * n_used
+    if n_pairs == 0:
+        return
+    n_expert = raw3d.shape[0]
+    order = np.empty(n_pairs, np.int64)
+    starts = np.empty(n_expert + 1, np.int64)
+    experts = np.empty(n_expert, np.int64)
+    n = sort_pairs(ids, n_expert, order, starts, experts)
+    xq_f, xq_t, dx, dxs = prepare_rows(kind, act, order // n_used, int(np.max(np.diff(starts[:n + 1]))))
+    res = np.empty((n_pairs, raw3d.shape[1]), np.float32)
+    grouped_kq(kind, raw3d, raw3d, 1, xq_f, xq_t, dx, dxs, starts, experts, n, res, res)
+    out[order] = res
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts, n_groups,
+                      out_a, out_b, s_kind, s_raw_a, s_raw_b, s_xq_f, s_xq_t, s_dx, s_dxs, s_rows,
+                      s_out_a, s_out_b):
+    """grouped_kq plus one more matrix (pair) that every one of ``s_rows`` rows goes through, in
+    the same parallel call: a MoE block's shared expert (s_raw_*: uint8 (n_out_s, row bytes) of
+    K-quant ``s_kind``, activations prepared for it, s_out_a[:s_rows] = rows @ s_raw_a.T ...)."""
+    n_out = raw_a.shape[1]
+    per = _GROUPED_ROWS_PER_TASK
+    n_chunks = (n_out + per - 1) // per
+    n_main = n_chunks * n_mats * n_groups
+    s_out = s_raw_a.shape[0]
+    s_chunks = (s_out + per - 1) // per if s_rows > 0 else 0
+    for task in prange(n_main + s_chunks * n_mats):
+        if task < n_main:
+            i = task % n_groups
+            rest = task // n_groups
+            mat = rest % n_mats
+            r_lo = (rest // n_mats) * per
+            r_hi = min(n_out, r_lo + per)
+            e = experts[i]
+            if mat == 0:
+                _kq_rows(kind, raw_a[e], FP16_TO_FP32, xq_f, xq_t, dx, dxs, starts[i],
+                         starts[i + 1], out_a, r_lo, r_hi, _kq._QK_RUN_GROUPS, _kq._QK_TOKEN_BLOCK)
+            else:
+                _kq_rows(kind, raw_b[e], FP16_TO_FP32, xq_f, xq_t, dx, dxs, starts[i],
+                         starts[i + 1], out_b, r_lo, r_hi, _kq._QK_RUN_GROUPS, _kq._QK_TOKEN_BLOCK)
+        else:
+            st = task - n_main
+            mat = st % n_mats
+            r_lo = (st // n_mats) * per
+            r_hi = min(s_out, r_lo + per)
+            if mat == 0:
+                _kq_rows(s_kind, s_raw_a, FP16_TO_FP32, s_xq_f, s_xq_t, s_dx, s_dxs, 0, s_rows,
+                         s_out_a, r_lo, r_hi, _kq._QK_RUN_GROUPS, _kq._QK_TOKEN_BLOCK)
+            else:
+                _kq_rows(s_kind, s_raw_b, FP16_TO_FP32, s_xq_f, s_xq_t, s_dx, s_dxs, 0, s_rows,
+                         s_out_b, r_lo, r_hi, _kq._QK_RUN_GROUPS, _kq._QK_TOKEN_BLOCK)
+

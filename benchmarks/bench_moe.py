@@ -1,0 +1,397 @@
+"""Mixture-of-experts decoding speed: a synthetic ~1B glm4moe model, ours against llama.cpp.
+
+The model (made here, random weights, never committed; default folder /tmp/ds4tools-bench-moe):
+a glm4moe GGUF of ~1.04B parameters of which ~0.22B are read per token, as llama.cpp's
+Q4_K_M mix written by ds4tools' own writer and quantizer:
+
+    19 layers, hidden 1024, 16 query / 4 kv heads of 64, rope over half the head,
+    layer 0 dense (ffn 2816), layers 1-18: 64 routed experts of width 256, top-8 by sigmoid
+    with the selection bias (normalised, scaled 2.5), one shared expert; vocab 32000
+
+Measured, each in its own child process (so each has its own peak RSS): prefill t/s of a
+512-token prompt, decode t/s (greedy steps after it), r(k) = time(forward of k tokens) /
+time(forward of 1 token) for k = 1..8 at the prompt's context, and the peak resident memory
+(``ru_maxrss``) of the process. Ours also reports the GB/s of weights a decode step reads,
+counting only the experts it used. llama.cpp (llama-cpp-python, when installed) runs the same
+file with the same threads in the same run: both children stay loaded and the parent alternates
+their measurements (``--rounds N``, default 5), printing the medians of the per-round ratios.
+
+    python benchmarks/bench_moe.py                   # make the model if missing, 2 threads
+    python benchmarks/bench_moe.py --rounds 3 --repeat 3
+    python benchmarks/bench_moe.py --quick           # a tiny model (smoke run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from gguf import GGUFValueType as V  # noqa: E402
+
+from ds4tools.gguf_io import GGUFStreamWriter  # noqa: E402
+
+ARCH = "glm4moe"
+#: ~1.04B parameters, ~0.22B read per token (the output matrix included, the embedding row not)
+FULL = dict(n_layer=19, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_rot=32, n_ff=2816,
+            n_expert=64, n_expert_used=8, n_ff_exp=256, n_expert_shared=1, n_dense_lead=1,
+            n_vocab=32000)
+QUICK = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, n_ff=512,
+             n_expert=16, n_expert_used=4, n_ff_exp=256, n_expert_shared=1, n_dense_lead=1,
+             n_vocab=2048)
+
+
+# --- the synthetic model ----------------------------------------------------------------------
+
+
+def tensor_shapes(cfg) -> dict:
+    """name -> numpy shape (rows last), llama.cpp's glm4moe names."""
+    H, Q, KV = cfg["n_embd"], cfg["n_head"] * cfg["head_dim"], cfg["n_head_kv"] * cfg["head_dim"]
+    E, F = cfg["n_expert"], cfg["n_ff_exp"]
+    s = {"token_embd.weight": (cfg["n_vocab"], H)}
+    for il in range(cfg["n_layer"]):
+        p = f"blk.{il}."
+        s.update({p + "attn_norm.weight": (H,), p + "attn_q.weight": (Q, H), p + "attn_q.bias": (Q,),
+                  p + "attn_k.weight": (KV, H), p + "attn_k.bias": (KV,),
+                  p + "attn_v.weight": (KV, H), p + "attn_v.bias": (KV,),
+                  p + "attn_output.weight": (H, Q), p + "post_attention_norm.weight": (H,)})
+        if il < cfg["n_dense_lead"]:
+            s.update({p + "ffn_gate.weight": (cfg["n_ff"], H), p + "ffn_up.weight": (cfg["n_ff"], H),
+                      p + "ffn_down.weight": (H, cfg["n_ff"])})
+        else:
+            S = F * cfg["n_expert_shared"]
+            s.update({p + "ffn_gate_inp.weight": (E, H), p + "exp_probs_b.bias": (E,),
+                      p + "ffn_gate_exps.weight": (E, F, H), p + "ffn_up_exps.weight": (E, F, H),
+                      p + "ffn_down_exps.weight": (E, H, F),
+                      p + "ffn_gate_shexp.weight": (S, H), p + "ffn_up_shexp.weight": (S, H),
+                      p + "ffn_down_shexp.weight": (H, S)})
+    s["output_norm.weight"] = (H,)
+    s["output.weight"] = (cfg["n_vocab"], H)
+    return s
+
+
+def make_f16_model(path, cfg, seed=0) -> int:
+    """The glm4moe GGUF with random F16 matrices (F32 norms, biases and router), written one
+    tensor at a time; a plain SentencePiece-style token list (the benchmark feeds token ids)."""
+    shapes = tensor_shapes(cfg)
+    rng = np.random.default_rng(seed)
+    n_vocab = cfg["n_vocab"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"t{i}" for i in range(n_vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
+    a = ARCH
+    u32 = lambda k, v: (f"{a}.{k}", int(v), V.UINT32)  # noqa: E731
+    with GGUFStreamWriter(path, a) as w:
+        for key, value, vtype in (
+                ("general.name", "bench-synthetic-glm4moe", V.STRING),
+                u32("block_count", cfg["n_layer"]), u32("context_length", 4096),
+                u32("embedding_length", cfg["n_embd"]), u32("feed_forward_length", cfg["n_ff"]),
+                u32("attention.head_count", cfg["n_head"]), u32("attention.head_count_kv", cfg["n_head_kv"]),
+                u32("attention.key_length", cfg["head_dim"]), u32("attention.value_length", cfg["head_dim"]),
+                (f"{a}.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32),
+                (f"{a}.rope.freq_base", 1000000.0, V.FLOAT32), u32("rope.dimension_count", cfg["n_rot"]),
+                u32("vocab_size", n_vocab), u32("expert_count", cfg["n_expert"]),
+                u32("expert_used_count", cfg["n_expert_used"]),
+                u32("expert_shared_count", cfg["n_expert_shared"]),
+                u32("expert_feed_forward_length", cfg["n_ff_exp"]),
+                u32("leading_dense_block_count", cfg["n_dense_lead"]), u32("expert_gating_func", 2),
+                (f"{a}.expert_weights_norm", True, V.BOOL), (f"{a}.expert_weights_scale", 2.5, V.FLOAT32),
+                u32("nextn_predict_layers", 0),
+                ("general.file_type", 1, V.UINT32), ("tokenizer.ggml.model", "llama", V.STRING)):
+            w.add_key(key, value, vtype)
+        w.add_key("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
+        w.add_key("tokenizer.ggml.scores", [0.0] * len(tokens), V.ARRAY, V.FLOAT32)
+        w.add_key("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32)
+        for name, shape in shapes.items():
+            f32 = len(shape) == 1 or "ffn_gate_inp" in name  # llama.cpp keeps the router F32
+            w.add_tensor_info(name, shape, "F32" if f32 else "F16")
+        w.begin()
+        n_params = 0
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                if name.endswith(".bias"):
+                    data = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+                else:
+                    data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            else:
+                scale = np.float32((2.0 if "ffn_gate_inp" in name else 1.0) / np.sqrt(shape[-1]))
+                data = rng.standard_normal(shape, dtype=np.float32) * scale
+                if "ffn_gate_inp" not in name:
+                    data = data.astype(np.float16)
+            n_params += data.size
+            w.write_tensor(name, data)
+        w.commit()
+    return n_params
+
+
+def model_params(cfg) -> tuple[int, int]:
+    """(total parameters, parameters read per decoded token: every matrix but the embedding,
+    the experts counted top-k + shared)."""
+    total = active = 0
+    for name, shape in tensor_shapes(cfg).items():
+        n = int(np.prod(shape))
+        total += n
+        if name == "token_embd.weight":
+            continue
+        if "_exps" in name:
+            n = n // cfg["n_expert"] * cfg["n_expert_used"]
+        active += n
+    return total, active
+
+
+def prepare_model(folder, cfg, log, mix="Q4_K_M") -> str:
+    from ds4tools.quantize import QuantizeOptions, quantize_model
+    os.makedirs(folder, exist_ok=True)
+    tag = "quick" if cfg is QUICK else "1b"
+    out = os.path.join(folder, f"glm4moe-{tag}-{mix.lower()}.gguf")
+    if os.path.exists(out):
+        return out
+    src = os.path.join(folder, f"glm4moe-{tag}-f16.gguf")
+    if not os.path.exists(src):
+        t = time.perf_counter()
+        n = make_f16_model(src + ".part", cfg)
+        os.replace(src + ".part", src)
+        log(f"made {src}: {n / 1e6:.0f}M parameters in {time.perf_counter() - t:.0f} s")
+    t = time.perf_counter()
+    quantize_model(src, out + ".part", QuantizeOptions(mix, progress=False), report=lambda m: None)
+    os.replace(out + ".part", out)
+    log(f"quantized {out} ({os.path.getsize(out) / 1e6:.0f} MB) in {time.perf_counter() - t:.0f} s")
+    return out
+
+
+# --- the measurements (each side in its own child process, alternated) -------------------------
+# Both children load their model and then wait for commands on stdin ("prefill", "decode",
+# "rk", "rss"), answering one JSON line each; the parent alternates them (ours, llama.cpp, then
+# llama.cpp, ours, ...) so each pair of measurements runs under nearly the same machine load.
+
+COMMON = """
+import json, resource, sys, time
+import numpy as np
+path, threads, n_prompt, n_decode, repeat = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                             int(sys.argv[4]), int(sys.argv[5]))
+KS = (1, 2, 3, 4, 5, 6, 7, 8)
+def best(f):
+    return min(f() for _ in range(repeat))
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def serve(handlers):
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "quit":
+            break
+        print("RESULT " + json.dumps(handlers[cmd]()), flush=True)
+"""
+
+OURS_CHILD = COMMON + """
+sys.path.insert(0, sys.argv[6])
+from ds4tools import Engine
+from ds4tools.bench import measure
+eng = Engine(path, n_ctx=1024, threads=threads)
+n_vocab = eng.hparams.n_vocab
+prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
+eng.forward(prompt[:8], 0, logits="last")
+eng.forward(prompt[:1], 8, logits="last")
+eng.forward(prompt, 0, logits="last")
+def prefill():
+    eng.cache.clear()
+    t = time.perf_counter(); eng.forward(prompt, 0, logits="last"); return time.perf_counter() - t
+def decode():
+    eng.cache.truncate(n_prompt)
+    t = time.perf_counter()
+    tok = int(prompt[-1])
+    for i in range(n_decode):
+        tok = int(np.argmax(eng.forward([tok], n_prompt + i, logits="last").logits[0]))
+    return (time.perf_counter() - t) / n_decode
+def h_prefill():
+    return {"prefill_tps": n_prompt / best(prefill)}
+def h_decode():
+    prefill()
+    measure.reset_expert_reads(eng)
+    t = best(decode)
+    wb = measure.decode_weight_bytes(eng)
+    return {"decode_tps": 1 / t, "weight_bytes": wb, "weight_gbps": wb / t / 1e9}
+def h_rk():
+    prefill()
+    times = measure.verify_seconds(eng, n_prompt, KS, max(repeat, 5), prompt)
+    return {"r": {k: v / times[1] for k, v in times.items()}}
+serve({"prefill": h_prefill, "decode": h_decode, "rk": h_rk,
+       "rss": lambda: {"peak_rss_mb": peak_rss_mb()}})
+"""
+
+LLAMA_CPP_CHILD = COMMON + """
+import llama_cpp as L
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.use_extra_bufts = False  # its AMX / repacked weight buffers crash in some VMs
+model = L.llama_model_load_from_file(path.encode(), mp)
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
+cp.n_threads = cp.n_threads_batch = threads
+ctx = L.llama_init_from_model(model, cp)
+mem = L.llama_get_memory(ctx)
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+batch = L.llama_batch_init(512, 0, 1)
+def forward(tokens, pos0, all_logits):
+    for i, t in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), pos0 + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
+    batch.n_tokens = len(tokens)
+    assert L.llama_decode(ctx, batch) == 0
+prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
+forward(prompt[:8], 0, False)
+def prefill():
+    L.llama_memory_clear(mem, True)
+    t = time.perf_counter(); forward(prompt, 0, False); return time.perf_counter() - t
+prefill()
+def decode():
+    L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
+    t = time.perf_counter()
+    tok = int(prompt[-1])
+    for i in range(n_decode):
+        forward([tok], n_prompt + i, False)
+        tok = int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))))
+    return (time.perf_counter() - t) / n_decode
+def h_rk():
+    prefill()
+    times = {k: float("inf") for k in KS}
+    for _ in range(max(repeat, 5)):
+        for k in KS:
+            L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
+            t = time.perf_counter(); forward(prompt[:k], n_prompt, True)
+            times[k] = min(times[k], time.perf_counter() - t)
+    return {"r": {k: v / times[1] for k, v in times.items()}}
+def h_decode():
+    prefill()
+    return {"decode_tps": 1 / best(decode)}
+serve({"prefill": lambda: {"prefill_tps": n_prompt / best(prefill)}, "decode": h_decode,
+       "rk": h_rk, "rss": lambda: {"peak_rss_mb": peak_rss_mb()}})
+"""
+
+
+class Child:
+    """One side's child process, answering the commands above."""
+
+    def __init__(self, code, path, threads, n_prompt, n_decode, repeat):
+        self.p = subprocess.Popen([sys.executable, "-c", code, str(path), str(threads), str(n_prompt),
+                                   str(n_decode), str(repeat), os.path.join(HERE, "..")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._line()
+        if line != "READY":
+            raise RuntimeError(f"child failed to start ({line!r})")
+
+    def _line(self) -> str:
+        while True:
+            line = self.p.stdout.readline()
+            if not line or line.strip() in ("READY",) or line.startswith("RESULT "):
+                return line.strip()
+
+    def ask(self, cmd: str) -> dict:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        line = self._line()
+        if not line.startswith("RESULT "):
+            raise RuntimeError(f"child died during {cmd!r}")
+        return json.loads(line[len("RESULT "):])
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.write("quit\n")
+            self.p.stdin.close()
+        except OSError:
+            pass
+        self.p.wait(timeout=60)
+
+
+def have_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fmt_r(r: dict) -> str:
+    return " ".join(f"{float(r[k]):.2f}" for k in sorted(r, key=int))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="best of N inside each measurement")
+    ap.add_argument("--rounds", type=int, default=5, help="ours / llama.cpp alternated N times")
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--n-decode", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="a tiny model (smoke run)")
+    ap.add_argument("--dir", default="/tmp/ds4tools-bench-moe", help="where the GGUFs are kept")
+    ap.add_argument("--make-only", action="store_true", help="make the model and stop")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    path = prepare_model(args.dir, cfg, log)
+    total, active = model_params(cfg)
+    log(f"model {path}: {total / 1e6:.0f}M parameters, {active / 1e6:.0f}M read per token")
+    if args.make_only:
+        return 0
+    n_prompt = min(args.n_prompt, 64) if args.quick else args.n_prompt
+    sides = {"ours": Child(OURS_CHILD, path, args.threads, n_prompt, args.n_decode, args.repeat)}
+    if not args.no_llama_cpp and have_llama_cpp():
+        sides["llama.cpp"] = Child(LLAMA_CPP_CHILD, path, args.threads, n_prompt, args.n_decode,
+                                   args.repeat)
+    res = {name: {"decode": [], "prefill": []} for name in sides}
+    med = statistics.median
+    try:
+        for i in range(args.rounds):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for what in ("decode", "prefill"):
+                for name in order:
+                    res[name][what].append(sides[name].ask(what))
+            line = " | ".join(
+                f"{n}: decode {res[n]['decode'][-1]['decode_tps']:.1f} t/s, prefill{n_prompt} "
+                f"{res[n]['prefill'][-1]['prefill_tps']:.0f} t/s" for n in sides)
+            log(f"round {i + 1}: {line}")
+        for name in sides:
+            res[name]["rk"] = sides[name].ask("rk")["r"]
+            res[name]["rss"] = sides[name].ask("rss")["peak_rss_mb"]
+    finally:
+        for c in sides.values():
+            c.close()
+    summary = {"rounds": args.rounds, "threads": args.threads, "n_prompt": n_prompt}
+    for name in sides:
+        r = res[name]
+        summary[name] = {"decode_tps": med([x["decode_tps"] for x in r["decode"]]),
+                         "prefill_tps": med([x["prefill_tps"] for x in r["prefill"]]),
+                         "peak_rss_mb": r["rss"], "r": {int(k): v for k, v in r["rk"].items()}}
+        if name == "ours":
+            summary[name]["weight_bytes_per_token"] = r["decode"][-1]["weight_bytes"]
+            summary[name]["weight_gbps"] = med([x["weight_gbps"] for x in r["decode"]])
+        log(f"{name}: decode {summary[name]['decode_tps']:.1f} t/s, prefill{n_prompt} "
+            f"{summary[name]['prefill_tps']:.0f} t/s (medians of {args.rounds}), peak RSS "
+            f"{r['rss']:.0f} MB, r(1..8) {_fmt_r(r['rk'])}")
+    if "llama.cpp" in sides:
+        o, t = res["ours"], res["llama.cpp"]
+        summary["ratio"] = {
+            "decode_per_round": [a["decode_tps"] / b["decode_tps"] for a, b in zip(o["decode"], t["decode"])],
+            "prefill_per_round": [a["prefill_tps"] / b["prefill_tps"] for a, b in zip(o["prefill"], t["prefill"])],
+            "peak_rss": o["rss"] / t["rss"]}
+        summary["ratio"]["decode_median"] = med(summary["ratio"]["decode_per_round"])
+        summary["ratio"]["prefill_median"] = med(summary["ratio"]["prefill_per_round"])
+        log(f"ours / llama.cpp: decode {summary['ratio']['decode_median']:.2f}, prefill "
+            f"{summary['ratio']['prefill_median']:.2f} (medians of the per-round ratios), "
+            f"peak RSS {summary['ratio']['peak_rss']:.2f}")
+    log("SUMMARY " + json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
