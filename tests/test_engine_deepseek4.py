@@ -275,3 +275,87 @@ def test_bad_files_give_one_line_naming_the_file(tmp_path, make, message):
     r = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hello"])
     assert r.exit_code == 1
     assert r.stderr.startswith(f"ds4tools: {path}: {message}") and r.stderr.count("\n") == 1
+
+
+# --- the cache's size and its bounded rollback --------------------------------------------------
+
+
+def test_the_cache_keeps_rings_and_entries_not_every_position(f32_engine):
+    from ds4tools.engine.compressed_attention import MAX_ROLLBACK
+    cache = f32_engine.model.new_cache()
+    hp = f32_engine.hparams
+    n_swa, n_ctx = hp.n_swa, cache.n_ctx
+    assert cache.raw.shape == (4, n_swa + MAX_ROLLBACK, hp.head_dim)        # not n_ctx rows
+    assert cache.comp_kv[1].shape == (8 + MAX_ROLLBACK, 2 * hp.head_dim)     # ratio 4: 2 blocks + R
+    assert cache.comp_kv[2].shape == (128 + MAX_ROLLBACK, hp.head_dim)       # ratio 128: 1 block + R
+    assert cache.comp[1].shape == (n_ctx // 4 + 1, hp.head_dim)
+    assert cache.idx[3].shape == (n_ctx // 4 + 1, hp.idx_dim)
+    assert cache.comp_kv[0] is None and cache.idx[2] is None
+    assert cache.nbytes == type(cache).nbytes_for(cache.layout, n_ctx)
+
+
+def test_a_rollback_of_the_full_depth_is_exact_and_a_deeper_one_is_refused(f32_engine, fixture):
+    from ds4tools.engine.compressed_attention import MAX_ROLLBACK
+    eng = f32_engine
+    prompt = fixture["f32/prompt"]
+    drafts = (np.arange(MAX_ROLLBACK) * 7 + 3) % 300
+    eng.forward(prompt[:90], 0)
+    eng.forward(np.concatenate([prompt[90:91], drafts]), 90)   # a verify of 1 + 64 rows
+    with pytest.raises(ValueError, match="keeps the state of the last 64 positions"):
+        eng.cache.truncate(90)
+    eng.cache.truncate(91)                                       # every draft rejected
+    got = eng.forward(prompt[91:], 91).logits
+    want = eng.model.forward(prompt, 0, cache=eng.model.new_cache()).logits[91:]
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="cannot truncate the compressed cache to 20"):
+        eng.forward(prompt[20:30], 20)                           # an implicit truncate, too deep
+    eng.cache.truncate(0)                                        # always allowed
+    assert eng.cache.length == 0 and eng.cache.high == 0
+
+
+def test_a_context_within_the_rings_rolls_back_anywhere(files, fixture):
+    eng = Engine(files["f32"], exact=True, n_ctx=64)             # 64 < the rings: nothing wraps
+    assert eng.cache.max_rollback == 64
+    prompt = fixture["f32/prompt"][:60]
+    eng.forward(prompt, 0)
+    eng.cache.truncate(5)
+    got = eng.forward(prompt[5:], 5).logits
+    want = eng.model.forward(prompt, 0, cache=eng.model.new_cache()).logits[5:]
+    assert np.array_equal(got, want)
+
+
+def test_logits_do_not_depend_on_the_thread_count(files, fixture):
+    import numba
+    prompt = fixture["f32/prompt"]
+    eng = Engine(files["f32"], exact=True)
+    n = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = eng.model.forward(prompt, 0, cache=eng.model.new_cache()).logits
+        numba.set_num_threads(max(2, n) if numba.config.NUMBA_NUM_THREADS >= 2 else 1)
+        many = eng.model.forward(prompt, 0, cache=eng.model.new_cache()).logits
+    finally:
+        numba.set_num_threads(n)
+    assert np.array_equal(one, many)
+
+
+def test_fused_matrices_give_the_separate_products_bit_for_bit(files, fixture):
+    from ds4tools.engine import deepseek4 as ds4
+    eng = Engine(files["q8_0"], int8="all")
+    lw = eng.weights.layers[1]  # ratio 4: q_a, kv, both compressors and the indexer fused
+    assert [len(parts) for _, parts in lw.on_h.groups] == [7]
+    h = np.random.default_rng(0).standard_normal((5, eng.hparams.n_embd)).astype(np.float32)
+    got = lw.on_h(h)
+    for key, lin in (("q_a", lw.wq_a), ("kv", lw.wkv), ("c_gate", lw.comp.wgate),
+                     ("i_kv", lw.idx_comp.wkv), ("i_w", lw.idx_proj)):
+        want = np.empty((5, lin.n_out), np.float32)
+        lin.matmul(h, want)
+        assert np.array_equal(got[key], want), key
+    apart = ds4.Fused({"q_a": lw.wq_a, "kv": lw.wkv})
+    assert len(apart.groups) == 1
+    old = ds4.FUSE_MAX_BYTES
+    try:
+        ds4.FUSE_MAX_BYTES = 0
+        assert len(ds4.Fused({"q_a": lw.wq_a, "kv": lw.wkv}).groups) == 2
+    finally:
+        ds4.FUSE_MAX_BYTES = old

@@ -46,7 +46,7 @@ from numba import njit
 from ..errors import UsageError
 from . import kernels
 from .compressed_attention import (CacheLayout, CompressedCache, build_entries, indexer_top_k,
-                                   sink_attention, sink_attention_rows)
+                                   sink_attention, sink_attention_rows, store_ring)
 from .hparams import HParams, HParamsError, _get, _positive, decoder_hparams
 from .hyper_connections import HyperConnection, hc_head, hc_post, hc_pre
 from .moe import MoEHParams, MoEWeights, load_moe, weighted_sum
@@ -190,6 +190,52 @@ def read_hparams(meta: dict, n_vocab_tensor: int | None = None) -> Deepseek4HPar
 # --- weights ------------------------------------------------------------------------------------
 
 
+#: matrices are fused only while their concatenation stays below this: the call overhead it
+#: saves matters for small matrices, and the concatenation is a copy of the mapped weights
+FUSE_MAX_BYTES = 8 << 20
+
+
+class Fused:
+    """Matrices that read the same input, concatenated (by format, int8 path and width) at
+    load: one matmul per group instead of one per matrix (groups over FUSE_MAX_BYTES stay
+    apart). Each output is a dot product of its own row with the input, so the values are the
+    separate matmuls' to the bit."""
+
+    def __init__(self, parts: dict):
+        groups: dict = {}
+        for key, lin in parts.items():
+            if lin is not None:
+                groups.setdefault((lin.fmt.name, lin.int8, lin.n_in), []).append((key, lin))
+        self.groups = []
+        for (fmt, int8, n_in), items in groups.items():
+            if len(items) > 1 and sum(l.raw.nbytes for _, l in items) > FUSE_MAX_BYTES:
+                self.groups += [(l, [(k, l.n_out)]) for k, l in items]
+                continue
+            if len(items) == 1:
+                lin = items[0][1]
+            else:
+                lin = Linear("+".join(l.name for _, l in items),
+                             np.concatenate([l.raw for _, l in items]), fmt,
+                             (sum(l.n_out for _, l in items), n_in), int8=int8)
+            self.groups.append((lin, [(k, l.n_out) for k, l in items]))
+
+    def __call__(self, x) -> dict:
+        """{name: (k, n_out) float32 C-contiguous} for input x (an array or a SharedInput)."""
+        k = (x.x if isinstance(x, SharedInput) else x).shape[0]
+        out = {}
+        for lin, parts in self.groups:
+            y = np.empty((k, lin.n_out), np.float32)
+            lin.matmul(x, y)
+            if len(parts) == 1:
+                out[parts[0][0]] = y
+                continue
+            c = 0
+            for key, n in parts:
+                out[key] = np.ascontiguousarray(y[:, c:c + n])
+                c += n
+        return out
+
+
 @dataclass
 class Compressor:
     wkv: Linear
@@ -222,6 +268,21 @@ class Deepseek4Layer:
     idx_q_b: Linear | None = None
     idx_proj: Linear | None = None
     tid2eid: np.ndarray | None = None  # (n_vocab, n_expert_used) int64 on hash-routed layers
+    on_h: Fused | None = None          # the matrices reading the attention input (fuse())
+    on_qr: Fused | None = None         # those reading the normed q latent
+    on_ffn: Fused | None = None        # the shared expert's gate and up
+
+    def fuse(self) -> "Deepseek4Layer":
+        """Build the fused groups (after loading; again after replacing a matrix)."""
+        c, ic = self.comp, self.idx_comp
+        self.on_h = Fused({"q_a": self.wq_a, "kv": self.wkv,
+                           "c_kv": c and c.wkv, "c_gate": c and c.wgate,
+                           "i_kv": ic and ic.wkv, "i_gate": ic and ic.wgate,
+                           "i_w": self.idx_proj})
+        self.on_qr = Fused({"q_b": self.wq_b, "i_q": self.idx_q_b})
+        sh = self.moe.shared
+        self.on_ffn = Fused({"g": sh.w_gate, "u": sh.w_up}) if sh is not None else None
+        return self
 
     def linears(self) -> list:
         out = [self.wq_a, self.wq_b, self.wkv] + self.wo_a + [self.wo_b, self.hc_attn.fn,
@@ -314,7 +375,7 @@ def load_layer(tensors: dict, il: int, hp: Deepseek4HParams, int8: str, *,
         layer.idx_q_b = _linear(tensors, p + "indexer.attn_q_b.weight", hp.idx_head * hp.idx_dim,
                                 hp.n_lora_q, int8)
         layer.idx_proj = _linear(tensors, p + "indexer.proj.weight", hp.idx_head, H, int8)
-    return layer
+    return layer.fuse()
 
 
 _ATTN = ("attn_norm.weight", "attn_sinks.weight", "attn_q_a.weight", "attn_q_a_norm.weight",
@@ -452,10 +513,8 @@ def moe_block(h: np.ndarray, tokens: np.ndarray, lw: Deepseek4Layer, hp: Deepsee
     out = np.empty((k, H), f)
     weighted_sum(down, weights, out)
     if w.shared is not None:
-        S = m.n_ff_shexp
-        g, u = np.empty((k, S), f), np.empty((k, S), f)
-        w.shared.w_gate.matmul(hs, g)
-        w.shared.w_up.matmul(hs, u)
+        gu = lw.on_ffn(hs)
+        g, u = gu["g"], gu["u"]
         swiglu_clamped(g, u, hp.clamp_shexp[il], g)
         sh = np.empty((k, H), f)
         w.shared.w_down.matmul(g, sh)
@@ -487,36 +546,28 @@ def attention(h: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams, cache: Co
     ratio = lw.ratio
     kind = "compressed" if ratio else "plain"
     rope = ropes[kind]
-    qr = np.empty((k, hp.n_lora_q), f)
-    lw.wq_a.matmul(h, qr)
-    qr = _rmsnorm(qr, lw.q_a_norm, hp.rms_eps)
-    q = np.empty((k, NH * D), f)
-    lw.wq_b.matmul(qr, q)
-    q = _rmsnorm(q.reshape(k * NH, D), np.ones(D, f), hp.rms_eps).reshape(k, NH, D)
+    on_h = lw.on_h(SharedInput(h))  # q_a, kv and the compressors' / indexer's projections
+    qr = _rmsnorm(on_h["q_a"], lw.q_a_norm, hp.rms_eps)
+    on_qr = lw.on_qr(SharedInput(qr))
+    q = _rmsnorm(on_qr["q_b"].reshape(k * NH, D), np.ones(D, f), hp.rms_eps).reshape(k, NH, D)
     _rope_tail(q, positions, rope, R)
-    kv = np.empty((k, D), f)
-    lw.wkv.matmul(h, kv)
-    kv = _rmsnorm(kv, lw.kv_norm, hp.rms_eps)
+    kv = _rmsnorm(on_h["kv"], lw.kv_norm, hp.rms_eps)
     _rope_tail(kv.reshape(k, 1, D), positions, rope, R)
-    cache.raw[slot, positions] = kv
 
     sel = np.zeros((k, max(hp.idx_top_k, 1)), np.int64)
     n_sel = np.zeros(k, np.int64)
     comp = np.zeros((1, D), f)
     if ratio:
-        _compress(h, lw.comp, ratio, positions, cache.comp_kv[slot], cache.comp_score[slot],
-                  cache.comp[slot], hp, rope)
+        _compress(on_h["c_kv"], on_h["c_gate"], lw.comp, ratio, positions, cache.comp_kv[slot],
+                  cache.comp_score[slot], cache.comp[slot], hp, rope)
         comp = cache.comp[slot]
         if ratio == 4:
-            _compress(h, lw.idx_comp, ratio, positions, cache.idx_kv[slot], cache.idx_score[slot],
-                      cache.idx[slot], hp, rope)
+            _compress(on_h["i_kv"], on_h["i_gate"], lw.idx_comp, ratio, positions,
+                      cache.idx_kv[slot], cache.idx_score[slot], cache.idx[slot], hp, rope)
             I, IH = hp.idx_dim, hp.idx_head
-            iq = np.empty((k, IH * I), f)
-            lw.idx_q_b.matmul(qr, iq)
-            iq = iq.reshape(k, IH, I)
+            iq = on_qr["i_q"].reshape(k, IH, I)
             _rope_tail(iq, positions, rope, R)
-            iw = np.empty((k, IH), f)
-            lw.idx_proj.matmul(h, iw)
+            iw = on_h["i_w"]
             iw *= f(1.0) / f(np.sqrt(f(I * IH)))
             indexer_top_k(iq, iw, cache.idx[slot], positions, ratio, hp.idx_top_k, sel, n_sel)
         else:
@@ -526,13 +577,15 @@ def attention(h: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams, cache: Co
                 sel[t, :n_vis[t]] = np.arange(n_vis[t])
             n_sel = n_vis.astype(np.int64)
     o = np.empty((k, NH, D), f)
+    ring = cache.raw[slot]
     if hi is None:
-        sink_attention(q, cache.raw[slot], positions, hp.n_swa, comp, sel, n_sel, lw.sinks,
+        sink_attention(q, kv, ring, positions, hp.n_swa, comp, sel, n_sel, lw.sinks,
                        f(1.0 / np.sqrt(f(D))), o)
     else:  # a ratio-0 layer whose rows see raw rows up to hi (a DSpark block: bidirectional)
         lo = np.maximum(positions - hp.n_swa + 1, 0).astype(np.int64)
-        sink_attention_rows(q, cache.raw[slot], lo, np.ascontiguousarray(hi, np.int64), lw.sinks,
-                            f(1.0 / np.sqrt(f(D))), o)
+        sink_attention_rows(q, kv, ring, positions, lo, np.ascontiguousarray(hi, np.int64),
+                            lw.sinks, f(1.0 / np.sqrt(f(D))), o)
+    cache.store_raw(slot, positions, kv)  # after the attention: the batch may outgrow the ring
     _rope_tail(o, positions, ropes[kind + "_inverse"], R)  # undo the rope of the values
     G = hp.o_groups
     gdim = NH * D // G
@@ -546,17 +599,14 @@ def attention(h: np.ndarray, lw: Deepseek4Layer, hp: Deepseek4HParams, cache: Co
     return out
 
 
-def _compress(h, c: Compressor, ratio, positions, kv_rows, score_rows, entries, hp, rope):
-    k = h.shape[0]
-    f = np.float32
-    kv = np.empty((k, kv_rows.shape[1]), f)
-    sc = np.empty_like(kv)
-    c.wkv.matmul(h, kv)
-    c.wgate.matmul(h, sc)
+def _compress(kv, sc, c: Compressor, ratio, positions, kv_rows, score_rows, entries, hp, rope):
+    """The compressor's rows (kv, score before ape) at ``positions``: the entries they complete,
+    then the rings."""
     sc += c.ape[positions % ratio]
-    kv_rows[positions] = kv
-    score_rows[positions] = sc
-    build_entries(kv_rows, score_rows, positions, ratio, c.norm, hp.rms_eps, rope, hp.n_rot, entries)
+    build_entries(kv, sc, positions, ratio, kv_rows, score_rows, c.norm, hp.rms_eps, rope, hp.n_rot,
+                  entries)
+    store_ring(kv_rows, positions, kv)  # the rings keep the open blocks' inputs
+    store_ring(score_rows, positions, sc)
 
 
 # --- the decoder --------------------------------------------------------------------------------
@@ -703,7 +753,7 @@ class Deepseek4DSpark:
             lw.wkv.matmul(ctx, kv)
             kv = _rmsnorm(kv, lw.kv_norm, hp.rms_eps)
             _rope_tail(kv.reshape(n, 1, hp.head_dim), positions, self.t.ropes["plain"], hp.n_rot)
-            self.cache.raw[j, positions] = kv
+            self.cache.store_raw(j, positions, kv)
         self.n_ctx_rows = start + n
         self.cache.length = self.n_ctx_rows
 
@@ -724,7 +774,8 @@ class Deepseek4DSpark:
         hi = np.full(B, a + B, np.int64)
         for j, lw in enumerate(w.layers):
             x = layer_forward(x, ids, lw, self.hp, self.cache, j, j, positions, self.t.ropes, hi)
-        self.cache.length = a
+        self.cache.length = a + B
+        self.cache.truncate(a)  # the block's rows are dropped
         z = hc_head(x, w.hc_head, hp.hc, hp.n_embd, hp.rms_eps, hp.hc_eps)
         return z, _rmsnorm(z, w.norm, hp.rms_eps)
 
@@ -833,7 +884,7 @@ class Deepseek4Transformer(Transformer):
         if n_ctx > self.n_ctx:
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
         ratios = hp.compress_ratios[:hp.n_layer] if n_layer is None else (0,) * n_layer
-        return CompressedCache(CacheLayout(tuple(ratios), hp.head_dim, hp.idx_dim), n_ctx)
+        return CompressedCache(CacheLayout(tuple(ratios), hp.head_dim, hp.idx_dim, hp.n_swa), n_ctx)
 
     def embed(self, tokens) -> np.ndarray:
         """The hc streams of the tokens (k, hc * n_embd): each a copy of the embedding."""
@@ -863,7 +914,7 @@ class Deepseek4Transformer(Transformer):
         k = tokens.shape[0]
         hidden = {i: [] for i in hidden_layers}
         finals, logit_rows = [], []
-        cache.length = start_pos
+        cache.truncate(start_pos)  # rows at and above start_pos are rewritten now
         for c0 in range(0, k, self.chunk):
             c1 = min(k, c0 + self.chunk)
             toks = tokens[c0:c1]
@@ -905,6 +956,8 @@ class Deepseek4Transformer(Transformer):
             raise ValueError("the cache does not fit this model's compressed attention")
         if k and (positions.min() < 0 or positions.max() >= cache.n_ctx):
             raise ValueError(f"positions must lie in [0, {cache.n_ctx})")
+        if k and not np.array_equal(positions, positions[0] + np.arange(k)):
+            raise ValueError(f"{ARCH} runs consecutive positions")
         for il in (range(hp.n_layer) if layers is None else layers):
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")

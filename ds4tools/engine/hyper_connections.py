@@ -15,7 +15,8 @@ sinkhorn: softmax over dst for every src, + eps, then the columns (sum over src,
 normalised, then ``iterations - 1`` more rounds of rows (sum over dst) then columns. The head
 collapses the streams once more with ``output_hc_*`` (pre weights only) before the final norm.
 
-Every function works row by row, so a token's result does not depend on its batch.
+Every function works row by row, so a token's result does not depend on its batch. With a
+float32 fn (F16 / BF16 files are widened at load) a block's hc_pre is one compiled call.
 """
 from __future__ import annotations
 
@@ -115,14 +116,53 @@ def expand(y, x, post, comb, hc, n, out):
                 out[t, d * n + i] = v
 
 
+@njit(cache=True, error_model="numpy")
+def mix_and_collapse(mixes, scale, base, hc, eps, iters, x, n, pre, post, comb, out):
+    """mix_weights then collapse, in one call."""
+    mix_weights(mixes, scale, base, hc, eps, iters, pre, post, comb)
+    collapse(x, pre, hc, n, out)
+
+
 class HyperConnection:
     """One block's (or the head's) mixing tensors: fn a Linear ((2 + hc) * hc or hc rows,
-    hc * n_embd columns), scale (3,) or (1,), base."""
+    hc * n_embd columns), scale (3,) or (1,), base. An F16 / BF16 fn is widened to float32
+    once at load: the same values and the same float32 products (the half-float kernels decode
+    each row to float32 first), without decoding 2 + hc rows of hc * n_embd per token (a few
+    MB per model: 24 x 16384 per block in DSV4 Flash)."""
 
     __slots__ = ("fn", "scale", "base")
 
     def __init__(self, fn, scale: np.ndarray, base: np.ndarray):
+        if fn.fmt.name in ("F16", "BF16"):
+            from .weights import Linear
+            w = np.ascontiguousarray(fn.dequantize(), np.float32)
+            fn = Linear(fn.name, w.reshape(-1).view(np.uint8), "F32", (fn.n_out, fn.n_in))
         self.fn, self.scale, self.base = fn, scale, base
+
+
+@njit(cache=True, error_model="numpy", fastmath=True)
+def _matvec_rows(w, x, out):
+    """out[t, r] = w[r] . x[t] in float32 (one thread: (2 + hc) * hc rows are a small job)."""
+    n_out, n_in = w.shape
+    for r in range(n_out):
+        for t in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(n_in):
+                acc += w[r, i] * x[t, i]
+            out[t, r] = acc
+
+
+@njit(cache=True, error_model="numpy")
+def hc_pre_fused(x, fn, scale, base, hc, n, rms_eps, eps, iters, pre, post, comb, out):
+    """hc_pre in one call for a float32 fn: the flat norm, the mixes, their weights, the
+    collapse."""
+    k = x.shape[0]
+    normed = np.empty_like(x)
+    flat_rmsnorm(x, rms_eps, normed)
+    mixes = np.empty((k, fn.shape[0]), np.float32)
+    _matvec_rows(fn, normed, mixes)
+    mix_weights(mixes, scale, base, hc, eps, iters, pre, post, comb)
+    collapse(x, pre, hc, n, out)
 
 
 def hc_pre(x: np.ndarray, w: HyperConnection, hc: int, n: int, rms_eps: float, eps: float,
@@ -130,6 +170,14 @@ def hc_pre(x: np.ndarray, w: HyperConnection, hc: int, n: int, rms_eps: float, e
     """The block input (k, n) and the (post, comb) its output is written back with."""
     k = x.shape[0]
     f = np.float32
+    if w.fn.fmt.name == "F32":
+        pre = np.empty((k, hc), f)
+        post = np.empty((k, hc), f)
+        comb = np.empty((k, hc, hc), f)
+        out = np.empty((k, n), f)
+        hc_pre_fused(x, w.fn.raw.view(f), w.scale, w.base, hc, n, f(rms_eps), f(eps), iters,
+                     pre, post, comb, out)
+        return out, post, comb
     normed = np.empty_like(x)
     flat_rmsnorm(x, f(rms_eps), normed)
     mixes = np.empty((k, (2 + hc) * hc), f)
@@ -137,9 +185,8 @@ def hc_pre(x: np.ndarray, w: HyperConnection, hc: int, n: int, rms_eps: float, e
     pre = np.empty((k, hc), f)
     post = np.empty((k, hc), f)
     comb = np.empty((k, hc, hc), f)
-    mix_weights(mixes, w.scale, w.base, hc, f(eps), iters, pre, post, comb)
     out = np.empty((k, n), f)
-    collapse(x, pre, hc, n, out)
+    mix_and_collapse(mixes, w.scale, w.base, hc, f(eps), iters, x, n, pre, post, comb, out)
     return out, post, comb
 
 
@@ -165,7 +212,10 @@ def hc_head(x: np.ndarray, w: HyperConnection, hc: int, n: int, rms_eps: float,
     normed = np.empty_like(x)
     flat_rmsnorm(x, f(rms_eps), normed)
     mixes = np.empty((k, hc), f)
-    w.fn.matmul(normed, mixes)
+    if w.fn.fmt.name == "F32":
+        _matvec_rows(w.fn.raw.view(f), normed, mixes)
+    else:
+        w.fn.matmul(normed, mixes)
     pre = np.empty((k, hc), f)
     head_weights(mixes, w.scale, w.base, f(eps), pre)
     out = np.empty((k, n), f)
