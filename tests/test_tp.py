@@ -38,12 +38,16 @@ def _env(**extra):
     return env
 
 
-def _run(args, timeout=60, env=None, cmd=None):
+# a bound on whole runs, generous for a cold numba cache (the fault cases have their own 10 s)
+RUN_TIMEOUT = 300
+
+
+def _run(args, timeout=RUN_TIMEOUT, env=None, cmd=None):
     p = subprocess.run((cmd or CLI) + args, capture_output=True, timeout=timeout, env=env or _env())
     return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
 
 
-def _tokens(args, timeout=60, cmd=None, env=None):
+def _tokens(args, timeout=RUN_TIMEOUT, cmd=None, env=None):
     code, out, err = _run(args + ["--json"], timeout, env, cmd)
     assert code == 0, err
     return json.loads(out), err
@@ -152,7 +156,7 @@ def test_sharded_logits_are_bit_identical(moe_models, model, ranks):
         path = str(moe_models / f"{model}.gguf")
     script = os.path.join(os.path.dirname(__file__), "tp_logits_check.py")
     p = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, script, path],
-                       capture_output=True, timeout=60, env=_env())
+                       capture_output=True, timeout=RUN_TIMEOUT, env=_env())
     assert p.returncode == 0, p.stderr.decode()
     doc = json.loads(p.stdout.decode().strip().splitlines()[-1])
     assert doc["identical"] == [True] * 4
@@ -184,7 +188,7 @@ def test_a_rank_that_cannot_open_the_model_stops_all(tmp_path):
     cmd = ([MPIEXEC, "-n", "1"] + CLI + args + [":", "-n", "1", "-env", "DS4TOOLS_TP_MODEL",
                                                 str(tmp_path / "missing.gguf")] + CLI + args)
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, timeout=60, env=_env())
+    p = subprocess.run(cmd, capture_output=True, timeout=RUN_TIMEOUT, env=_env())
     err = p.stderr.decode()
     assert p.returncode != 0
     assert "rank 1:" in err and "missing.gguf: no such file" in err
