@@ -197,6 +197,25 @@ class Transformer:
         """The runnable NextN layer (``cache``, ``forward``) over ``layer``'s weights."""
         return NextNLayer(self, layer)
 
+    def mtp_head(self, weights):
+        """The runnable MTP head (``cache``, ``hidden_width``, ``run``, ``head``) over
+        ``weights`` (speculative.mtp.MtpHeadWeights): the NextN layer over one hidden row. An
+        architecture whose MTP layer reads something else (deepseek4: hyper-connection
+        streams) returns its own."""
+        from .speculative.mtp import MtpHead
+        return MtpHead(self, weights)
+
+    def load_ds4_mtp_head(self, sf, int8: str):
+        """MtpHeadWeights from ds4's MTP support file ``sf`` when this architecture has its
+        own ds4 layout (deepseek4); None: the file is ds4's dense layout (one llama / qwen3
+        layer), which the drafter's loader reads."""
+        return None
+
+    def load_ds4_dspark(self, sf, int8: str):
+        """DSparkWeights from a DSpark support file in ds4's layout when this architecture has
+        one (deepseek4); None: no ds4-layout draft runs on this architecture."""
+        return None
+
     def embed(self, tokens) -> np.ndarray:
         """Token embeddings (k, n_embd) float32."""
         return self.weights.token_embd.rows(tokens)

@@ -17,9 +17,9 @@ from .mtp import MtpHeadWeights
 def _mtp_from_support(sf, hp: HParams, int8: str, model=None) -> MtpHeadWeights:
     t = sf.gguf.tensors
     p = "mtp.0."
-    if model is not None and hasattr(model, "load_ds4_mtp_head"):
-        # DeepSeek V4: ds4's own MTP file (mtp.0 with hyper-connections and experts)
-        return model.load_ds4_mtp_head(sf, int8)
+    own = model.load_ds4_mtp_head(sf, int8) if model is not None else None
+    if own is not None:  # DeepSeek V4: ds4's own MTP file (mtp.0 with hyper-connections, experts)
+        return own
     if model is not None and not model.dense_mtp_heads:
         raise UsageError(about(sf.path, f"is an MTP head in ds4's layout (mtp.0.*: a dense "
                                         f"llama/qwen3 layer); a {hp.arch} model drafts with its "
@@ -135,9 +135,10 @@ def _draft_hparams(target_hp: HParams, sf) -> HParams:
 
 def _dspark_from_support(sf, target_hp: HParams, int8: str, model=None) -> DSparkWeights:
     hp_s = sf.hparams
-    if hp_s.layout != "llama.cpp" and model is not None and hasattr(model, "load_ds4_dspark"):
-        # DeepSeek V4: ds4's own DSpark file (stages mtp.0..; the model class runs them)
-        return model.load_ds4_dspark(sf, int8)
+    if hp_s.layout != "llama.cpp" and model is not None:
+        own = model.load_ds4_dspark(sf, int8)
+        if own is not None:  # DeepSeek V4: ds4's own DSpark file (stages mtp.0..)
+            return own
     if hp_s.layout != "llama.cpp":
         raise UsageError(about(sf.path, f"is a DSpark support file in ds4's DeepSeek V4 layout "
                                         f"({sf.architecture}); the engine runs DSpark drafts for "

@@ -71,6 +71,7 @@ class MtpHead:
         self.layer = target.nextn_layer(weights.layer)
         self.cache = self.layer.cache
         self.rows = target.chunk
+        self.hidden_width = hp.n_embd  # the target-side hidden rows it reads
 
     def run(self, hidden: np.ndarray, tokens, start_pos: int) -> np.ndarray:
         """Head rows for positions start_pos.. from target-side hidden states (k, H) and the
@@ -118,13 +119,10 @@ class MtpDrafter(Drafter):
             raise ValueError(f"--mtp-draft {max_draft}: must be in 1..16")
         if not margin >= 0:
             raise ValueError(f"--mtp-margin {margin}: must not be negative")
-        # an architecture whose MTP layer is not a plain decoder layer over one hidden row
-        # (deepseek4: hyper-connection streams) brings its own head with MtpHead's interface
-        make = getattr(target, "mtp_head", None)
-        self.mtp = make(weights) if make is not None else MtpHead(target, weights)
+        self.mtp = target.mtp_head(weights)
         self.max_draft = max_draft
         self.margin = float(margin)
-        self._pend_h = np.zeros((0, getattr(self.mtp, "hidden_width", target.hp.n_embd)), np.float32)
+        self._pend_h = np.zeros((0, self.mtp.hidden_width), np.float32)
         self._pend_tokens: list[int] = []
         self._pos = 0  # head rows [0, _pos) are computed from the target's true hidden states
 
