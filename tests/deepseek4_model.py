@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.glm4moe_model import weights_digest
+from tests.llamacpp_families import weights_digest
 from tests.reference_model import _add_key, byte_level_tokenizer_metadata
 
 ARCH = "deepseek4"

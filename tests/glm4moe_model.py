@@ -8,11 +8,11 @@ expert, q/k/v biases, rope over half the head, and one NextN layer after the dec
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from tests.llamacpp_families import weights_digest  # noqa: F401 (part of this module's interface)
 from tests.reference_model import byte_level_tokenizer_metadata, write_gguf
 
 ARCH = "glm4moe"
@@ -151,21 +151,6 @@ def write_model(path, cfg: Glm4MoeConfig = Glm4MoeConfig(), weight_type: str = "
 def write_case(path, case: str, seed: int = 0) -> dict:
     cfg, weight_type = CASES[case]
     return write_model(path, cfg, weight_type, seed)
-
-
-def weights_digest(path) -> str:
-    """sha256 over every tensor's name, type, shape and bytes (not the metadata)."""
-    from ds4tools.gguf_io.reader import open_gguf
-    h = hashlib.sha256()
-    f = open_gguf(path)
-    try:
-        for name in sorted(f.tensors):
-            t = f.tensors[name]
-            h.update(f"{name}:{t.type_name}:{t.shape}".encode())
-            h.update(np.asarray(t.raw()).tobytes())
-    finally:
-        f.close()
-    return h.hexdigest()
 
 
 __all__ = ["ARCH", "CASES", "Glm4MoeConfig", "metadata", "random_weights",

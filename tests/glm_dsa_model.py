@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tests.glm4moe_model import weights_digest
+from tests.llamacpp_families import weights_digest
 from tests.reference_model import byte_level_tokenizer_metadata, write_gguf
 
 ARCH = "glm-dsa"

@@ -9,42 +9,32 @@ tools/capture_llamacpp_fixtures.py deepseek4; the files are rewritten here from 
 checked against the fixture's digest. Then the engine's own rules: batch-independent logits,
 truncate + re-decode over the compressed state, one-line errors.
 """
-import os
-
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from ds4tools.cli import main
 from ds4tools.engine import Engine
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
-from ds4tools.errors import InvalidContentError, UsageError
-from tests.deepseek4_model import CASES, Deepseek4Config, weights_digest, write_case, write_model
-
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llamacpp", "deepseek4.npz")
-SEED = 0  # tools/capture_llamacpp_fixtures.py's
+from ds4tools.errors import UsageError
+from tests import llamacpp_families
+from tests.llamacpp_families import (assert_one_line_error,
+                                     assert_run_prints_what_the_api_generates, greedy_continuation,
+                                     load_fixture, logits_against_llama_cpp, write_cases, SEED)
+from tests.deepseek4_model import ARCH, CASES, Deepseek4Config, write_case, write_model
 
 
 @pytest.fixture(scope="module")
 def fixture():
-    with np.load(FIXTURE) as f:
-        return {k: f[k] for k in f.files}
+    return load_fixture(ARCH)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("deepseek4")
-    paths = {}
-    for case in CASES:
-        paths[case] = d / f"{case}.gguf"
-        write_case(paths[case], case, SEED)
-    return paths
+    return write_cases(tmp_path_factory.mktemp(ARCH), CASES, write_case)
 
 
 def engine_for(path, case, **kw):
-    # F32: the exact float32 path; Q8_0: ggml's int8-activation path on every matrix, as llama.cpp
-    return Engine(path, exact=True, **kw) if CASES[case][1] == "F32" else Engine(path, int8="all", **kw)
+    return llamacpp_families.engine_for(path, CASES[case][1], **kw)
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +47,8 @@ def f32_engine(files):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_llama_cpp(case, files, fixture):
-    assert weights_digest(files[case]) == str(fixture[f"{case}/digest"]), \
-        "the synthetic model changed: rerun tools/capture_llamacpp_fixtures.py deepseek4"
-    eng = engine_for(files[case], case)
-    ours = eng.forward(fixture[f"{case}/prompt"], 0).logits
-    theirs = fixture[f"{case}/logits"]
-    assert ours.shape == theirs.shape
+    ours, theirs = logits_against_llama_cpp(engine_for(files[case], case), files[case], fixture,
+                                            case, ARCH)
     err = np.abs(ours - theirs).max(1) / np.abs(theirs).max()  # per row
     # measured: 3.4e-7 (F32, every row); Q8_0: 1e-7 on every row but one (2e-3: a value at a
     # Q8_0 rounding boundary of the int8 activations rounds the other way, as in glm-dsa's)
@@ -74,18 +60,13 @@ def test_logits_match_llama_cpp(case, files, fixture):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_continuation_matches_llama_cpp(case, files, fixture):
-    eng = engine_for(files[case], case)
-    prompt = fixture[f"{case}/prompt"].tolist()
-    want = fixture[f"{case}/greedy"].tolist()
-    got = list(decode(eng.model, prompt, len(want), Sampler(0.0), np.random.default_rng(0)))
-    assert got == want
+    got = greedy_continuation(engine_for(files[case], case), fixture, case)
+    assert got == fixture[f"{case}/greedy"].tolist()
 
 
 def test_default_int8_mode_keeps_llama_cpp_greedy(files, fixture):
     # what `ds4tools run` uses: int8 only where it pays; the continuation must not change
-    eng = Engine(files["q8_0"])
-    prompt = fixture["q8_0/prompt"].tolist()
-    got = list(decode(eng.model, prompt, 16, Sampler(0.0), np.random.default_rng(0)))
+    got = greedy_continuation(Engine(files["q8_0"]), fixture, "q8_0", 16)
     assert got == fixture["q8_0/greedy"].tolist()
 
 
@@ -225,11 +206,7 @@ def test_dspark_without_its_draft_is_refused(files):
 
 
 def test_run_command_generates_as_the_api(files):
-    r = CliRunner().invoke(main, ["run", "-m", str(files["q8_0"]), "-p", "the model reads", "-n", "8",
-                                  "--temp", "0"])
-    assert r.exit_code == 0, r.stderr
-    text = "".join(t.text for t in Engine(files["q8_0"]).generate("the model reads", 8, temperature=0))
-    assert r.stdout == text + "\n"
+    assert_run_prints_what_the_api_generates(files["q8_0"])
 
 
 # --- bad files: one line naming the file --------------------------------------------------------
@@ -268,13 +245,7 @@ def _meta_patch(tmp_path, **changes):
      "unexpected tensor blk.1.bogus.weight for a deepseek4 model"),
 ])
 def test_bad_files_give_one_line_naming_the_file(tmp_path, make, message):
-    path = make(tmp_path)
-    with pytest.raises(InvalidContentError) as e:
-        Engine(path)
-    assert str(e.value).startswith(f"{path}: {message}")
-    r = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hello"])
-    assert r.exit_code == 1
-    assert r.stderr.startswith(f"ds4tools: {path}: {message}") and r.stderr.count("\n") == 1
+    assert_one_line_error(make(tmp_path), message)
 
 
 # --- the cache's size and its bounded rollback --------------------------------------------------

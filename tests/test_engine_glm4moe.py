@@ -6,43 +6,33 @@ tools/capture_llamacpp_fixtures.py (llama-cpp-python is not in CI); the files ar
 here from their seed and checked against the fixture's digest. Then the engine's own rules:
 batch-independent logits, truncate + re-decode, and one-line errors for bad files.
 """
-import os
-
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from ds4tools.cli import main
 from ds4tools.engine import Engine
-from ds4tools.engine.generate import decode
 from ds4tools.engine.moe import select_experts
-from ds4tools.engine.sampling import Sampler
-from ds4tools.errors import InvalidContentError, UsageError
-from tests.glm4moe_model import CASES, Glm4MoeConfig, weights_digest, write_case, write_model
-
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "llamacpp", "glm4moe.npz")
-SEED = 0  # tools/capture_llamacpp_fixtures.py's
+from ds4tools.errors import UsageError
+from tests import llamacpp_families
+from tests.llamacpp_families import (assert_lookup_is_lossless, assert_one_line_error,
+                                     assert_run_prints_what_the_api_generates,
+                                     assert_truncate_and_redecode_equals_a_fresh_prefill,
+                                     batched_single_and_chunked, greedy_continuation, load_fixture,
+                                     logits_against_llama_cpp, write_cases, SEED)
+from tests.glm4moe_model import ARCH, CASES, Glm4MoeConfig, write_case, write_model
 
 
 @pytest.fixture(scope="module")
 def fixture():
-    with np.load(FIXTURE) as f:
-        return {k: f[k] for k in f.files}
+    return load_fixture(ARCH)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("glm4moe")
-    paths = {}
-    for case in CASES:
-        paths[case] = d / f"{case}.gguf"
-        write_case(paths[case], case, SEED)
-    return paths
+    return write_cases(tmp_path_factory.mktemp(ARCH), CASES, write_case)
 
 
 def engine_for(path, case, **kw):
-    # F32: the exact float32 path; Q8_0: ggml's int8-activation path on every matrix, as llama.cpp
-    return Engine(path, exact=True, **kw) if CASES[case][1] == "F32" else Engine(path, int8="all", **kw)
+    return llamacpp_families.engine_for(path, CASES[case][1], **kw)
 
 
 # --- against llama.cpp --------------------------------------------------------------------------
@@ -50,12 +40,8 @@ def engine_for(path, case, **kw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_llama_cpp(case, files, fixture):
-    assert weights_digest(files[case]) == str(fixture[f"{case}/digest"]), \
-        "the synthetic model changed: rerun tools/capture_llamacpp_fixtures.py"
-    eng = engine_for(files[case], case)
-    ours = eng.forward(fixture[f"{case}/prompt"], 0).logits
-    theirs = fixture[f"{case}/logits"]
-    assert ours.shape == theirs.shape
+    ours, theirs = logits_against_llama_cpp(engine_for(files[case], case), files[case], fixture,
+                                            case, ARCH)
     err = np.abs(ours - theirs).max() / np.abs(theirs).max()
     assert err < 1e-3, err  # measured: 3e-7 (F32), 7e-8 (Q8_0)
     assert (ours.argmax(1) == theirs.argmax(1)).all()
@@ -63,18 +49,13 @@ def test_logits_match_llama_cpp(case, files, fixture):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_continuation_matches_llama_cpp(case, files, fixture):
-    eng = engine_for(files[case], case)
-    prompt = fixture[f"{case}/prompt"].tolist()
-    want = fixture[f"{case}/greedy"].tolist()
-    got = list(decode(eng.model, prompt, len(want), Sampler(0.0), np.random.default_rng(0)))
-    assert got == want
+    got = greedy_continuation(engine_for(files[case], case), fixture, case)
+    assert got == fixture[f"{case}/greedy"].tolist()
 
 
 def test_default_int8_mode_keeps_llama_cpp_greedy(files, fixture):
     # what `ds4tools run` uses: int8 only where it pays; the continuation must not change
-    eng = Engine(files["q8_0"])
-    prompt = fixture["q8_0/prompt"].tolist()
-    got = list(decode(eng.model, prompt, 16, Sampler(0.0), np.random.default_rng(0)))
+    got = greedy_continuation(Engine(files["q8_0"]), fixture, "q8_0", 16)
     assert got == fixture["q8_0/greedy"].tolist()
 
 
@@ -86,31 +67,18 @@ def test_default_int8_mode_keeps_llama_cpp_greedy(files, fixture):
     ("f32-softmax-groups", "none", "f32")])
 def test_batched_and_single_token_logits_are_bit_identical(case, int8, cache_type, files):
     toks = np.random.default_rng(3).integers(0, 300, 11)
-    kw = dict(int8=int8, cache_type=cache_type)
-    batched = Engine(files[case], **kw)
-    whole = batched.forward(toks, 0).logits
+    whole, single, chunked, batched = batched_single_and_chunked(files[case], toks, int8=int8,
+                                                                 cache_type=cache_type)
+    assert np.array_equal(whole, single) and np.array_equal(whole, chunked)
     # the tokens are routed differently (the last layer's choice, left in the workspace), so
     # the batch mixes experts: otherwise this test would prove little
     chosen = batched.model.moe_ws.ids[:len(toks)]
     assert len({tuple(r) for r in chosen}) > 3 and len(np.unique(chosen)) >= 6
-    one = Engine(files[case], **kw)
-    single = np.concatenate([one.forward([t], i).logits for i, t in enumerate(toks)])
-    assert np.array_equal(whole, single)
-    chunked = Engine(files[case], chunk=4, **kw).forward(toks, 0).logits
-    assert np.array_equal(whole, chunked)
 
 
 @pytest.mark.parametrize("case", ["f32", "q8_0"])
 def test_truncate_and_redecode_equals_a_fresh_prefill(case, files):
-    rng = np.random.default_rng(4)
-    prompt, first, second = (rng.integers(0, 300, n) for n in (9, 5, 4))
-    eng = Engine(files[case])
-    eng.forward(prompt, 0)
-    eng.forward(first, len(prompt))
-    eng.cache.truncate(len(prompt))
-    again = eng.forward(second, len(prompt)).logits
-    fresh = Engine(files[case]).forward(np.concatenate([prompt, second]), 0).logits[len(prompt):]
-    assert np.array_equal(again, fresh)
+    assert_truncate_and_redecode_equals_a_fresh_prefill(files[case])
 
 
 def test_nextn_layers_are_loaded_by_name_and_not_run(files, tmp_path):
@@ -212,31 +180,18 @@ def _meta_patch(tmp_path, **changes):
      "unexpected tensor blk.1.bogus.weight for a glm4moe model"),
 ])
 def test_bad_files_give_one_line_naming_the_file(tmp_path, make, message):
-    path = make(tmp_path)
-    with pytest.raises(InvalidContentError) as e:
-        Engine(path)
-    assert str(e.value).startswith(f"{path}: {message}")
-    r = CliRunner().invoke(main, ["run", "-m", str(path), "-p", "hello"])
-    assert r.exit_code == 1
-    assert r.stderr.startswith(f"ds4tools: {path}: {message}") and r.stderr.count("\n") == 1
+    assert_one_line_error(make(tmp_path), message)
 
 
 # --- the command line ---------------------------------------------------------------------------
 
 
 def test_run_command_generates_as_the_api(files):
-    r = CliRunner().invoke(main, ["run", "-m", str(files["q8_0"]), "-p", "the model reads", "-n", "8",
-                                  "--temp", "0"])
-    assert r.exit_code == 0, r.stderr
-    text = "".join(t.text for t in Engine(files["q8_0"]).generate("the model reads", 8, temperature=0))
-    assert r.stdout == text + "\n"
+    assert_run_prints_what_the_api_generates(files["q8_0"])
 
 
 def test_prompt_lookup_drafting_is_lossless_and_model_drafters_are_refused(files):
     from ds4tools.engine.speculative.config import SpecConfig
-    prompt = "the model reads a token and the model reads a token and the model"
-    plain = [t.id for t in Engine(files["f32"]).generate(prompt, 12, temperature=0)]
-    eng = Engine(files["f32"], spec=SpecConfig(lookup=3))
-    assert [t.id for t in eng.generate(prompt, 12, temperature=0)] == plain
+    assert_lookup_is_lossless(files["f32"])
     with pytest.raises(UsageError, match="drafting with a model .* is not available for glm4moe"):
         Engine(files["f32"], spec=SpecConfig(dspark=True))  # MTP drafting: tests/test_mtp_moe.py

@@ -15,7 +15,7 @@ a child process (float32 KV cache, no flash attention, one thread) and stores:
     <case>/logits      float32 (n_prompt, n_vocab): the logits of every prompt position,
                        one batch
     <case>/greedy      int32 (N_GREEDY,): llama.cpp's greedy continuation, token by token
-    <case>/digest      tests.glm4moe_model.weights_digest of the file it ran
+    <case>/digest      tests.llamacpp_families.weights_digest of the file it ran
 
 in one compressed npz per family (<family>.npz). Rerun it after changing the synthetic
 models (the tests refuse a fixture whose digest no longer matches the file they write).
@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 import importlib  # noqa: E402
 
-from tests.glm4moe_model import weights_digest  # noqa: E402
+from tests.llamacpp_families import weights_digest  # noqa: E402
 
 FAMILIES = ("glm4moe", "deepseek2", "glm-dsa", "deepseek4")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "llamacpp")
