@@ -196,7 +196,10 @@ _SLOW_QUANTIZE = textwrap.dedent("""
     def slow(*a):
         out = real(*a)
         open(sys.argv[1], "w").close()  # the temporary output exists and is being written
-        time.sleep(60)
+        # short sleeps, as a real run's Python steps: a signal that lands on one of numba's
+        # threads does not cut the main thread's sleep short; its handler runs after it
+        for _ in range(600):
+            time.sleep(0.1)
         return out
     pipeline._produce = slow
     from ds4tools.cli import main
@@ -210,9 +213,13 @@ def test_sigterm_and_sigint_remove_the_temporary_file(odd_source, tmp_path):
         out_dir = tmp_path / sig.name
         out_dir.mkdir()
         marker = tmp_path / f"{sig.name}.started"
+        # the child as a terminal starts it: SIGINT at its default (a background shell job or a
+        # pytest-xdist worker ignores SIGINT, and a child inherits that; Python then installs no
+        # KeyboardInterrupt handler)
         p = subprocess.Popen([sys.executable, "-c", _SLOW_QUANTIZE, str(marker), "quantize",
                               str(odd_source), "-o", str(out_dir / "o.gguf"), "--type", "Q8_0"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from ..errors import UsageError
 from .session import TPSession, world_size_from_env, worker_main
@@ -72,7 +74,59 @@ def _pump(fd, out) -> bytes | None:
     return None
 
 
-def _lost_rank_line(banner: bytes, rundir: str) -> str | None:
+class _FirstToEnd:
+    """Watches this machine's ranks (their pid files in the run directory) and keeps the first
+    one to end. MPICH kills every other rank as soon as one is lost, with the same signal, and
+    its report may name any of them; the one that ended first is the one that was lost."""
+
+    def __init__(self, rundir: str, n: int):
+        self.rundir, self.n = rundir, n
+        self.first: tuple[int, int] | None = None  # (rank, pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ds4tools-tp-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        fds: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
+        known: set[int] = set()
+        poller = select.poll()
+        try:
+            while not self._done.is_set():
+                for rank in range(self.n):
+                    if rank in known:
+                        continue
+                    try:
+                        with open(os.path.join(self.rundir, f"{rank}.pid")) as fh:
+                            pid = int(fh.read().split()[0])
+                    except (OSError, ValueError, IndexError):
+                        continue  # not written yet (or a rank on another machine)
+                    known.add(rank)
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        self.first = (rank, pid)
+                        return
+                    except (OSError, AttributeError):
+                        continue
+                    fds[fd] = (rank, pid)
+                    poller.register(fd, select.POLLIN)
+                ready = poller.poll(50) if fds else (self._done.wait(0.05) and [])
+                ended = sorted(fds[fd] for fd, _ in ready or [])
+                if len(ended) == 1:
+                    self.first = ended[0]
+                if ended:
+                    return  # several at once: the order is lost, MPICH's report decides
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def stop(self) -> tuple[int, int] | None:
+        self._done.set()
+        self._thread.join(1.0)
+        return self.first
+
+
+def _lost_rank_line(banner: bytes, rundir: str, first: tuple[int, int] | None = None) -> str | None:
     text = banner.decode("utf-8", "replace")
     m = re.search(r"PID (\d+) RUNNING AT (\S+)", text)
     if not m:
@@ -80,6 +134,10 @@ def _lost_rank_line(banner: bytes, rundir: str) -> str | None:
     pid, host = int(m.group(1)), m.group(2)
     code = re.search(r"EXIT CODE: (\d+)", text)
     how = re.search(r"EXIT STRING: ([^\n]*)", text)
+    if first is not None:
+        rank, pid = first
+        return (f"tensor parallelism: rank {rank} (pid {pid} on {host}) was lost: "
+                f"{_why(how, code)}; every rank was stopped")
     rank = None
     for name in os.listdir(rundir):
         if name.endswith(".pid"):
@@ -90,9 +148,12 @@ def _lost_rank_line(banner: bytes, rundir: str) -> str | None:
             except (OSError, ValueError, IndexError):
                 pass
     who = f"rank {rank}" if rank is not None else "a rank"
-    why = how.group(1).strip() if how else (f"exit code {code.group(1)}" if code else "died")
-    return (f"tensor parallelism: {who} (pid {pid} on {host}) was lost: {why}; "
+    return (f"tensor parallelism: {who} (pid {pid} on {host}) was lost: {_why(how, code)}; "
             f"every rank was stopped")
+
+
+def _why(how, code) -> str:
+    return how.group(1).strip() if how else (f"exit code {code.group(1)}" if code else "died")
 
 
 def launch(n: int, argv: list[str], threads: int | None) -> int:
@@ -106,11 +167,13 @@ def launch(n: int, argv: list[str], threads: int | None) -> int:
         env["NUMBA_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "ds4tools.cli"] + list(argv)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+    watch = _FirstToEnd(rundir, n)
     out = sys.stdout.buffer
     try:
         try:
             banner = _pump(proc.stdout.fileno(), out)
             code = proc.wait()
+            first = watch.stop()
         except BaseException:  # Ctrl-C, SIGTERM: mpiexec passes it on to every rank
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
@@ -120,7 +183,7 @@ def launch(n: int, argv: list[str], threads: int | None) -> int:
                     proc.kill()
             raise
         if banner is not None:
-            line = _lost_rank_line(banner, rundir)
+            line = _lost_rank_line(banner, rundir, first)
             if line is not None and code != 0:
                 print(f"ds4tools: {line}", file=sys.stderr)
                 return 1
@@ -128,6 +191,7 @@ def launch(n: int, argv: list[str], threads: int | None) -> int:
             out.flush()
         return code
     finally:
+        watch.stop()
         if own_dir:
             shutil.rmtree(rundir, ignore_errors=True)
 
