@@ -83,13 +83,14 @@ USE_AVX2 = True
 
 def _route(context, small):
     """How the chunk dots are computed for the CPU numba compiles for: "vnni" (AVX-512 VNNI
-    vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd; only for small weights, u <= 127, where the
-    saturating pair sums of vpmaddubsw cannot saturate) or "generic" (portable IR)."""
+    vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd, for small weights, u <= 127, where the
+    saturating pair sums of vpmaddubsw cannot saturate), "avx2-sign" (any u: ggml's sign trick
+    on u - 128, plus 128 * the sums of x) or "generic" (portable IR)."""
     features = host_features(context)
     if USE_VNNI and "avx512vnni" in features:
         return "vnni"
-    if USE_AVX2 and small and "avx2" in features:
-        return "avx2"
+    if USE_AVX2 and "avx2" in features:
+        return "avx2" if small else "avx2-sign"
     return "generic"
 
 
@@ -114,6 +115,30 @@ def _dot_chunk(builder, acc, u, x, route):
             pairs = builder.call(maddubs, [builder.shuffle_vector(u, u, sel),
                                            builder.shuffle_vector(x, x, sel)])
             halves.append(builder.call(maddwd, [pairs, ones]))
+        return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], _mask(range(16))))
+    if route == "avx2-sign":
+        # u up to 255 would saturate vpmaddubsw's pair sums: take q = u - 128 (signed) and
+        # vpmaddubsw(|q|, x * sign(q)), which stays within int16 while x >= -127 (ggml's
+        # activation quantizers give -127..127), then add back 128 * the lane's sum of x:
+        # the integer dot of u and x exactly, as the other routes
+        v32i8, v16i16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
+        v8i32 = ir.VectorType(_I32, 8)
+        maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+        psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+        ones = ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16)
+        ones8 = ir.Constant(v32i8, [ir.Constant(_I8, 1)] * 32)
+        top = ir.Constant(v32i8, [ir.Constant(_I8, -128)] * 32)
+        seven = ir.Constant(v8i32, [ir.Constant(_I32, 7)] * 8)
+        halves = []
+        for h in range(2):
+            sel = _mask(range(32 * h, 32 * h + 32))
+            uh, xh = builder.shuffle_vector(u, u, sel), builder.shuffle_vector(x, x, sel)
+            q = builder.xor(uh, top)
+            qx = builder.call(maddwd, [builder.call(maddubs, [builder.call(psign, [q, q]),
+                                                              builder.call(psign, [xh, q])]), ones])
+            sx = builder.call(maddwd, [builder.call(maddubs, [ones8, xh]), ones])
+            halves.append(builder.add(qx, builder.shl(sx, seven)))
         return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], _mask(range(16))))
     v64i32 = ir.VectorType(_I32, 64)
     p = builder.mul(builder.zext(u, v64i32), builder.sext(x, v64i32))
