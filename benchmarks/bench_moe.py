@@ -14,7 +14,8 @@ time(forward of 1 token) for k = 1..8 at the prompt's context, and the peak resi
 (``ru_maxrss``) of the process. Ours also reports the GB/s of weights a decode step reads,
 counting only the experts it used. llama.cpp (llama-cpp-python, when installed) runs the same
 file with the same threads in the same run: both children stay loaded and the parent alternates
-their measurements (``--rounds N``, default 5), printing the medians of the per-round ratios.
+their measurements (``--rounds N``, default 5), printing the medians of the per-round ratios
+(benchmarks/paired.py, which measures any GGUF this way).
 
     python benchmarks/bench_moe.py                   # make the model if missing, 2 threads
     python benchmarks/bench_moe.py --rounds 3 --repeat 3
@@ -25,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -38,6 +37,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from gguf import GGUFValueType as V  # noqa: E402
 
 from ds4tools.gguf_io import GGUFStreamWriter  # noqa: E402
+
+sys.path.insert(0, HERE)
+from paired import compare  # noqa: E402
 
 ARCH = "glm4moe"
 #: ~1.04B parameters, ~0.22B read per token (the output matrix included, the embedding row not)
@@ -167,163 +169,6 @@ def prepare_model(folder, cfg, log, mix="Q4_K_M") -> str:
     return out
 
 
-# --- the measurements (each side in its own child process, alternated) -------------------------
-# Both children load their model and then wait for commands on stdin ("prefill", "decode",
-# "rk", "rss"), answering one JSON line each; the parent alternates them (ours, llama.cpp, then
-# llama.cpp, ours, ...) so each pair of measurements runs under nearly the same machine load.
-
-COMMON = """
-import json, resource, sys, time
-import numpy as np
-path, threads, n_prompt, n_decode, repeat = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
-                                             int(sys.argv[4]), int(sys.argv[5]))
-KS = (1, 2, 3, 4, 5, 6, 7, 8)
-def best(f):
-    return min(f() for _ in range(repeat))
-def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-def serve(handlers):
-    print("READY", flush=True)
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "quit":
-            break
-        print("RESULT " + json.dumps(handlers[cmd]()), flush=True)
-"""
-
-OURS_CHILD = COMMON + """
-sys.path.insert(0, sys.argv[6])
-from ds4tools import Engine
-from ds4tools.bench import measure
-eng = Engine(path, n_ctx=1024, threads=threads)
-n_vocab = eng.hparams.n_vocab
-prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
-eng.forward(prompt[:8], 0, logits="last")
-eng.forward(prompt[:1], 8, logits="last")
-eng.forward(prompt, 0, logits="last")
-def prefill():
-    eng.cache.clear()
-    t = time.perf_counter(); eng.forward(prompt, 0, logits="last"); return time.perf_counter() - t
-def decode():
-    eng.cache.truncate(n_prompt)
-    t = time.perf_counter()
-    tok = int(prompt[-1])
-    for i in range(n_decode):
-        tok = int(np.argmax(eng.forward([tok], n_prompt + i, logits="last").logits[0]))
-    return (time.perf_counter() - t) / n_decode
-def h_prefill():
-    return {"prefill_tps": n_prompt / best(prefill)}
-def h_decode():
-    prefill()
-    measure.reset_expert_reads(eng)
-    t = best(decode)
-    wb = measure.decode_weight_bytes(eng)
-    return {"decode_tps": 1 / t, "weight_bytes": wb, "weight_gbps": wb / t / 1e9}
-def h_rk():
-    prefill()
-    times = measure.verify_seconds(eng, n_prompt, KS, max(repeat, 5), prompt)
-    return {"r": {k: v / times[1] for k, v in times.items()}}
-serve({"prefill": h_prefill, "decode": h_decode, "rk": h_rk,
-       "rss": lambda: {"peak_rss_mb": peak_rss_mb()}})
-"""
-
-LLAMA_CPP_CHILD = COMMON + """
-import llama_cpp as L
-L.llama_backend_init()
-mp = L.llama_model_default_params()
-mp.use_extra_bufts = False  # its AMX / repacked weight buffers crash in some VMs
-model = L.llama_model_load_from_file(path.encode(), mp)
-cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
-cp.n_threads = cp.n_threads_batch = threads
-ctx = L.llama_init_from_model(model, cp)
-mem = L.llama_get_memory(ctx)
-n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-batch = L.llama_batch_init(512, 0, 1)
-def forward(tokens, pos0, all_logits):
-    for i, t in enumerate(tokens):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), pos0 + i, 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
-    batch.n_tokens = len(tokens)
-    assert L.llama_decode(ctx, batch) == 0
-prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
-forward(prompt[:8], 0, False)
-def prefill():
-    L.llama_memory_clear(mem, True)
-    t = time.perf_counter(); forward(prompt, 0, False); return time.perf_counter() - t
-prefill()
-def decode():
-    L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
-    t = time.perf_counter()
-    tok = int(prompt[-1])
-    for i in range(n_decode):
-        forward([tok], n_prompt + i, False)
-        tok = int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))))
-    return (time.perf_counter() - t) / n_decode
-def h_rk():
-    prefill()
-    times = {k: float("inf") for k in KS}
-    for _ in range(max(repeat, 5)):
-        for k in KS:
-            L.llama_memory_seq_rm(mem, 0, n_prompt, -1)
-            t = time.perf_counter(); forward(prompt[:k], n_prompt, True)
-            times[k] = min(times[k], time.perf_counter() - t)
-    return {"r": {k: v / times[1] for k, v in times.items()}}
-def h_decode():
-    prefill()
-    return {"decode_tps": 1 / best(decode)}
-serve({"prefill": lambda: {"prefill_tps": n_prompt / best(prefill)}, "decode": h_decode,
-       "rk": h_rk, "rss": lambda: {"peak_rss_mb": peak_rss_mb()}})
-"""
-
-
-class Child:
-    """One side's child process, answering the commands above."""
-
-    def __init__(self, code, path, threads, n_prompt, n_decode, repeat):
-        self.p = subprocess.Popen([sys.executable, "-c", code, str(path), str(threads), str(n_prompt),
-                                   str(n_decode), str(repeat), os.path.join(HERE, "..")],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self._line()
-        if line != "READY":
-            raise RuntimeError(f"child failed to start ({line!r})")
-
-    def _line(self) -> str:
-        while True:
-            line = self.p.stdout.readline()
-            if not line or line.strip() in ("READY",) or line.startswith("RESULT "):
-                return line.strip()
-
-    def ask(self, cmd: str) -> dict:
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        line = self._line()
-        if not line.startswith("RESULT "):
-            raise RuntimeError(f"child died during {cmd!r}")
-        return json.loads(line[len("RESULT "):])
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write("quit\n")
-            self.p.stdin.close()
-        except OSError:
-            pass
-        self.p.wait(timeout=60)
-
-
-def have_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _fmt_r(r: dict) -> str:
-    return " ".join(f"{float(r[k]):.2f}" for k in sorted(r, key=int))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -344,51 +189,9 @@ def main(argv=None) -> int:
     if args.make_only:
         return 0
     n_prompt = min(args.n_prompt, 64) if args.quick else args.n_prompt
-    sides = {"ours": Child(OURS_CHILD, path, args.threads, n_prompt, args.n_decode, args.repeat)}
-    if not args.no_llama_cpp and have_llama_cpp():
-        sides["llama.cpp"] = Child(LLAMA_CPP_CHILD, path, args.threads, n_prompt, args.n_decode,
-                                   args.repeat)
-    res = {name: {"decode": [], "prefill": []} for name in sides}
-    med = statistics.median
-    try:
-        for i in range(args.rounds):
-            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
-            for what in ("decode", "prefill"):
-                for name in order:
-                    res[name][what].append(sides[name].ask(what))
-            line = " | ".join(
-                f"{n}: decode {res[n]['decode'][-1]['decode_tps']:.1f} t/s, prefill{n_prompt} "
-                f"{res[n]['prefill'][-1]['prefill_tps']:.0f} t/s" for n in sides)
-            log(f"round {i + 1}: {line}")
-        for name in sides:
-            res[name]["rk"] = sides[name].ask("rk")["r"]
-            res[name]["rss"] = sides[name].ask("rss")["peak_rss_mb"]
-    finally:
-        for c in sides.values():
-            c.close()
-    summary = {"rounds": args.rounds, "threads": args.threads, "n_prompt": n_prompt}
-    for name in sides:
-        r = res[name]
-        summary[name] = {"decode_tps": med([x["decode_tps"] for x in r["decode"]]),
-                         "prefill_tps": med([x["prefill_tps"] for x in r["prefill"]]),
-                         "peak_rss_mb": r["rss"], "r": {int(k): v for k, v in r["rk"].items()}}
-        if name == "ours":
-            summary[name]["weight_bytes_per_token"] = r["decode"][-1]["weight_bytes"]
-            summary[name]["weight_gbps"] = med([x["weight_gbps"] for x in r["decode"]])
-        log(f"{name}: decode {summary[name]['decode_tps']:.1f} t/s, prefill{n_prompt} "
-            f"{summary[name]['prefill_tps']:.0f} t/s (medians of {args.rounds}), peak RSS "
-            f"{r['rss']:.0f} MB, r(1..8) {_fmt_r(r['rk'])}")
-    if "llama.cpp" in sides:
-        o, t = res["ours"], res["llama.cpp"]
-        summary["ratio"] = {
-            "decode_per_round": [a["decode_tps"] / b["decode_tps"] for a, b in zip(o["decode"], t["decode"])],
-            "prefill_per_round": [a["prefill_tps"] / b["prefill_tps"] for a, b in zip(o["prefill"], t["prefill"])],
-            "peak_rss": o["rss"] / t["rss"]}
-        summary["ratio"]["decode_median"] = med(summary["ratio"]["decode_per_round"])
-        summary["ratio"]["prefill_median"] = med(summary["ratio"]["prefill_per_round"])
-        log(f"ours / llama.cpp: decode {summary['ratio']['decode_median']:.2f}, prefill "
-            f"{summary['ratio']['prefill_median']:.2f} (medians of the per-round ratios), "
-            f"peak RSS {summary['ratio']['peak_rss']:.2f}")
+    summary = compare(path, threads=args.threads, repeat=args.repeat, rounds=args.rounds,
+                      n_prompt=n_prompt, n_decode=args.n_decode,
+                      llama_cpp=not args.no_llama_cpp, log=log)
     log("SUMMARY " + json.dumps(summary))
     return 0
 
