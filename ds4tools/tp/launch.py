@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from ..errors import UsageError
 from .session import TPSession, world_size_from_env, worker_main
@@ -81,6 +82,7 @@ class _FirstToEnd:
 
     def __init__(self, rundir: str, n: int):
         self.rundir, self.n = rundir, n
+        self.since = time.time() - 1.0  # older pid files are another run's (a reused rundir)
         self.first: tuple[int, int] | None = None  # (rank, pid)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ds4tools-tp-watch", daemon=True)
@@ -95,8 +97,11 @@ class _FirstToEnd:
                 for rank in range(self.n):
                     if rank in known:
                         continue
+                    path = os.path.join(self.rundir, f"{rank}.pid")
                     try:
-                        with open(os.path.join(self.rundir, f"{rank}.pid")) as fh:
+                        if os.stat(path).st_mtime < self.since:
+                            continue
+                        with open(path) as fh:
                             pid = int(fh.read().split()[0])
                     except (OSError, ValueError, IndexError):
                         continue  # not written yet (or a rank on another machine)
