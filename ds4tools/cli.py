@@ -208,10 +208,13 @@ def inspect_cmd(file, as_json, tensors, keys, target):
 @click.option("--tp", type=int, metavar="N",
               help="Tensor parallelism over N processes (mpiexec; needs the tp extra). Under "
                    "mpiexec -n N the processes join that world (docs/engine.md).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the model runs: cuda keeps weights (in their GGUF formats), cache and "
+                   "activations on an NVIDIA GPU (the cuda extra; llama / qwen3 so far).")
 def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, seed, ctx, threads,
             cache_type, exact, stats, as_json, mtp_file, mtp_draft, mtp_margin, glm_mtp,
             glm_mtp_timing, dspark, dspark_block_size, dspark_confidence, dspark_strict, lookup,
-            tp):
+            tp, device):
     """Generate a continuation of a prompt (printed as it comes, without the prompt).
 
     Speculative decoding (lossless: greedy output is token-identical to plain decoding, sampled
@@ -229,10 +232,12 @@ def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, se
                   temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, ctx=ctx,
                   threads=threads, cache_type=cache_type, exact=exact, stats=stats,
                   as_json=as_json, spec=spec if spec.active else None,
-                  resolve_model=resolve_model)
+                  resolve_model=resolve_model, device=device)
     with _interrupts(), _reported_errors():  # run itself exits 130 when generation is interrupted
         if tp is not None and tp < 1:
             raise UsageError(f"--tp {tp}: must be at least 1")
+        if device != "cpu" and (tp is not None and tp > 1 or world_size_from_env() > 1):
+            raise UsageError(f"--device {device} and --tp: tensor parallelism runs on the CPU so far")
         if world_size_from_env() > 1:  # one rank of an MPI world: tensor parallelism
             from .tp.launch import run_rank
             code = run_rank(tp, kwargs)

@@ -212,3 +212,33 @@ def test_support_file_given_as_the_model(hf_qwen3_nextn, tmp_path):
     code, out, err = run("-m", mtp, "-p", PROMPT)
     assert code == 1 and out == ""
     assert err == f"ds4tools: {mtp}: is not a model but a file of kind 'mtp-support' (see `ds4tools inspect`)\n"
+
+
+# --- --device cuda -------------------------------------------------------------------------------
+# tests/cuda (run under numba's CUDA simulator) checks what the CUDA backend computes; these check
+# the refusals that come before any kernel runs.
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error(model):
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("a CUDA GPU (or the simulator) is present: the backend would run")
+    code, out, err = run("-m", model, "-p", PROMPT, "--device", "cuda")
+    assert code == 2 and out == ""
+    assert err.startswith("ds4tools: --device cuda: ") and err.count("\n") == 1
+    assert "`cuda` extra" in err
+
+
+def test_device_cuda_names_the_architectures_it_runs(tmp_path):
+    from tests.glm4moe_model import write_model
+    path = tmp_path / "glm4moe.gguf"
+    write_model(path)
+    code, out, err = run("-m", path, "-p", PROMPT, "--device", "cuda")
+    assert code == 2 and out == ""
+    assert err == f"ds4tools: {path}: --device cuda: glm4moe models run on cpu so far\n"
+
+
+def test_device_cuda_with_tensor_parallelism_is_refused(model):
+    code, out, err = run("-m", model, "-p", PROMPT, "--device", "cuda", "--tp", 2)
+    assert code == 2
+    assert err == "ds4tools: --device cuda and --tp: tensor parallelism runs on the CPU so far\n"

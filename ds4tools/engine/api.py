@@ -21,6 +21,7 @@ from ..errors import InvalidContentError, UsageError, about
 from ..gguf_io.reader import open_gguf
 from .generate import GenerationStats, decode
 from .architectures import ARCHITECTURES
+from .backends import DEVICES, BackendUnavailable
 from .hparams import HParamsError
 from .kv_cache import CACHE_TYPES
 from .sampling import Sampler
@@ -87,11 +88,14 @@ class Engine:
     otherwise every quantized matrix takes ggml's int8-activation path (``int8`` "default" or
     "all"; "none" is the same as ``exact=True``).
     ``cache_type``: "f32" or "f16". ``tp``: a ds4tools.tp session: this process runs one
-    rank's shard of the model under tensor parallelism."""
+    rank's shard of the model under tensor parallelism. ``device``: "cpu" or "cuda" (weights,
+    cache and activations on an NVIDIA GPU; matmuls there take the float32 path)."""
 
     def __init__(self, model_path=None, *, n_ctx: int | None = None, threads: int | None = None,
                  cache_type: str = "f32", exact: bool = False, int8: str = "default",
-                 chunk: int = DEFAULT_CHUNK, spec=None, tp=None):
+                 chunk: int = DEFAULT_CHUNK, spec=None, tp=None, device: str = "cpu"):
+        if device not in DEVICES:
+            raise UsageError(f"--device {device}: use {' or '.join(DEVICES)}")
         if int8 not in INT8_MODES:
             raise UsageError(f"unknown int8 mode {int8!r} (use {', '.join(INT8_MODES)})")
         if cache_type not in CACHE_TYPES:
@@ -126,12 +130,24 @@ class Engine:
         if self.tokenizer.n_vocab > self.hparams.n_vocab:
             raise InvalidContentError(about(path, f"the tokenizer has {self.tokenizer.n_vocab} tokens "
                                                   f"but the model only {self.hparams.n_vocab} rows"))
-        self.exact = exact
+        self.exact = exact or device != "cpu"
         self.int8_mode = int8
+        self.device = device
         ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
         self._model_options = dict(n_ctx=ctx, cache_type=cache_type, chunk=chunk)
+        if device != "cpu":
+            if device not in self.architecture.devices:
+                raise UsageError(about(path, f"--device {device}: {self.hparams.arch} models run on "
+                                             f"{' and '.join(self.architecture.devices)} so far"))
+            if tp is not None:
+                raise UsageError(f"--device {device} and --tp: tensor parallelism runs on the CPU so far")
+            self._model_options["device"] = device
         if tp is None:
-            self.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+            try:
+                self.model = self.architecture.model(self.hparams, self.weights,
+                                                     **self._model_options)
+            except BackendUnavailable as e:
+                raise UsageError(f"--device {device}: {e}") from None
         else:  # this rank's shard (ds4tools.tp): the same decoder on narrowed weights
             self.model = tp.make_model(self.architecture, self.hparams, self.weights,
                                        **self._model_options)
@@ -294,7 +310,9 @@ class Engine:
         original last."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
-        other.model = self.architecture.model(self.hparams, self.weights, **self._model_options)
+        # on a GPU, the clone reads the weights this engine placed there (no second upload)
+        weights = self.weights if self.device == "cpu" else self.model.weights
+        other.model = self.architecture.model(self.hparams, weights, **self._model_options)
         other._shares_file = True
         other.last_stats = other.last_spec_stats = None
         other._warmed = frozenset()

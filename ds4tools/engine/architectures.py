@@ -27,11 +27,13 @@ class Architecture:
     #: with model_drafters: whether DSpark drafts (--dspark) do too (MTP drafting runs the
     #: model class's own NextN layer: see speculative/mtp.py)
     dspark_drafts: bool = True
+    #: the backends (engine.backends.DEVICES) its decoder runs on
+    devices: tuple = ("cpu",)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("llama", hparams_from_metadata, load_weights, Transformer),
-    Architecture("qwen3", hparams_from_metadata, load_weights, Transformer),
+    Architecture("llama", hparams_from_metadata, load_weights, Transformer, devices=("cpu", "cuda")),
+    Architecture("qwen3", hparams_from_metadata, load_weights, Transformer, devices=("cpu", "cuda")),
     Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
                  glm4moe.Glm4MoeTransformer, dspark_drafts=False),
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,

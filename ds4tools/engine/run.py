@@ -37,7 +37,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, top_k=40,
         top_p=0.95, min_p=0.05, seed=None, ctx=None, threads=None, cache_type="f32",
         exact=False, stats=False, as_json=False, spec=None, resolve_model=None, stdout=None,
-        stderr=None, tp=None) -> int:
+        stderr=None, tp=None, device="cpu") -> int:
     """Run one generation; returns the exit code (0, or 130 when interrupted).
 
     ``spec``: a SpecConfig (the speculative-decoding flags), or None for plain decoding.
@@ -45,7 +45,7 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
     before anything loads, it returns the ``(model, spec)`` to run (the CLI passes
     ``ds4tools.demo.resolve_model``: without -m, the bundled demo and its draft files).
     ``tp``: the leader's ds4tools.tp session (tensor parallelism: the workers load their shards
-    with the same options; MTP falls back to plain decoding)."""
+    with the same options; MTP falls back to plain decoding). ``device``: "cpu" or "cuda"."""
     from .api import Engine, resolve_seed
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr
@@ -58,7 +58,8 @@ def run(*, model=None, prompt=None, prompt_file=None, n_predict=128, temp=0.8, t
     if resolve_model is not None:
         model, spec = resolve_model(model, spec)
     if tp is None:
-        engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec)
+        engine = Engine(model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact, spec=spec,
+                        device=device)
     else:
         spec = tp.check_spec(spec, err)
         tp.start(dict(model=model, n_ctx=ctx, threads=threads, cache_type=cache_type, exact=exact))

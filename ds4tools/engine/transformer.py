@@ -12,6 +12,8 @@
 The two architectures differ only by the per-head q/k norm and the rope pairing.
 Every step is one compiled call over all rows of the batch; rows never interact except through
 the cache, so a token's logits do not depend on how many tokens shared its forward.
+The steps are a backend's operations (``ws.ops``: backends/), so the same code runs on the CPU
+and on a GPU; the forward's inputs and results (token ids, logits, hidden rows) are numpy.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import numba
 import numpy as np
 
 from . import kernels
+from .backends import get_backend
+from .backends.cpu import CPU
 from .hparams import HParams
 from .kv_cache import KVCache
 from .weights import LayerWeights, ModelWeights, SharedInput, load_layer
@@ -53,20 +57,21 @@ class ForwardResult:
 
 
 class Workspace:
-    """Activation buffers for up to ``rows`` rows, reused by every forward (fresh arrays per
-    call would cost page faults); kernels get C-contiguous leading slices of them."""
+    """Activation buffers for up to ``rows`` rows on the device of backend ``ops``, reused by
+    every forward (fresh arrays per call would cost page faults or allocations); kernels get
+    C-contiguous leading slices of them. ``ops`` also runs the layers' operations on them."""
 
-    def __init__(self, hp: HParams, rows: int):
-        f = np.float32
+    def __init__(self, hp: HParams, rows: int, ops=CPU):
+        self.ops = ops
         self.rows = rows
-        self.norm = np.empty((rows, hp.n_embd), f)
-        self.q = np.empty((rows, hp.n_head, hp.head_dim), f)
-        self.k = np.empty((rows, hp.n_head_kv, hp.head_dim), f)
-        self.v = np.empty((rows, hp.n_head_kv, hp.head_dim), f)
-        self.attn = np.empty((rows, hp.n_head, hp.head_dim), f)
-        self.proj = np.empty((rows, hp.n_embd), f)
-        self.gate = np.empty((rows, hp.n_ff), f)
-        self.up = np.empty((rows, hp.n_ff), f)
+        self.norm = ops.empty((rows, hp.n_embd))
+        self.q = ops.empty((rows, hp.n_head, hp.head_dim))
+        self.k = ops.empty((rows, hp.n_head_kv, hp.head_dim))
+        self.v = ops.empty((rows, hp.n_head_kv, hp.head_dim))
+        self.attn = ops.empty((rows, hp.n_head, hp.head_dim))
+        self.proj = ops.empty((rows, hp.n_embd))
+        self.gate = ops.empty((rows, hp.n_ff))
+        self.up = ops.empty((rows, hp.n_ff))
 
 
 def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, layer: int,
@@ -77,18 +82,19 @@ def layer_forward(x: np.ndarray, lw: LayerWeights, hp: HParams, cache: KVCache, 
     lets query row t attend to cache rows [0, limits[t]): causal decoding uses
     limits = positions + 1; a drafter can pass any prefix (e.g. a bidirectional block)."""
     attention_block(x, lw, hp, cache, layer, positions, limits, rope, ws)
+    ops = ws.ops
     k = x.shape[0]
     h = ws.norm[:k]
     o = ws.proj[:k]
-    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
+    ops.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
     g = ws.gate[:k]
     u = ws.up[:k]
     hs = SharedInput(h)  # quantized once for gate and up
     lw.w_gate.matmul(hs, g)
     lw.w_up.matmul(hs, u)
-    kernels.swiglu(g, u, g)
+    ops.swiglu(g, u, g)
     lw.w_down.matmul(g, o)
-    kernels.add_into(x, o)
+    ops.add_into(x, o)
 
 
 def attention_block(x: np.ndarray, lw, hp: HParams, cache: KVCache, layer: int,
@@ -97,59 +103,65 @@ def attention_block(x: np.ndarray, lw, hp: HParams, cache: KVCache, layer: int,
     q/k norms and rope over the first n_rot dimensions): layer_forward's first half, shared by
     the decoders built on this one (glm4moe). lw: attn_norm, wq, wk, wv, wo and the optional
     bq, bk, bv, bo, q_norm, k_norm."""
+    ops = ws.ops
     k = x.shape[0]
     h = ws.norm[:k]
     q = ws.q[:k]
     kr = ws.k[:k]
     vr = ws.v[:k]
-    kernels.rmsnorm(x, lw.attn_norm, hp.rms_eps, h)
+    ops.rmsnorm(x, lw.attn_norm, hp.rms_eps, h)
     hs = SharedInput(h)  # quantized once for q, k and v
     lw.wq.matmul(hs, q.reshape(k, hp.n_q))
     lw.wk.matmul(hs, kr.reshape(k, hp.n_kv))
     lw.wv.matmul(hs, vr.reshape(k, hp.n_kv))
     if lw.bq is not None:
-        kernels.add_bias(q.reshape(k, hp.n_q), lw.bq)
+        ops.add_bias(q.reshape(k, hp.n_q), lw.bq)
     if lw.bk is not None:
-        kernels.add_bias(kr.reshape(k, hp.n_kv), lw.bk)
+        ops.add_bias(kr.reshape(k, hp.n_kv), lw.bk)
     if lw.bv is not None:
-        kernels.add_bias(vr.reshape(k, hp.n_kv), lw.bv)
+        ops.add_bias(vr.reshape(k, hp.n_kv), lw.bv)
     if lw.q_norm is not None:
         q2 = q.reshape(k * hp.n_head, hp.head_dim)
-        kernels.rmsnorm(q2, lw.q_norm, hp.rms_eps, q2)
+        ops.rmsnorm(q2, lw.q_norm, hp.rms_eps, q2)
     if lw.k_norm is not None:
         k2 = kr.reshape(k * hp.n_head_kv, hp.head_dim)
-        kernels.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
+        ops.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
     cos, sin = rope
     neox = hp.rope_type == "neox"
-    kernels.rope(q, positions, cos, sin, neox)
-    kernels.rope(kr, positions, cos, sin, neox)
+    ops.rope(q, positions, cos, sin, neox)
+    ops.rope(kr, positions, cos, sin, neox)
     cache.store(layer, kr, vr, positions)
     a = ws.attn[:k]
     cache.attend(layer, q, limits, hp.attention_scale, a)
     o = ws.proj[:k]
     lw.wo.matmul(a.reshape(k, hp.n_q), o)
     if lw.bo is not None:
-        kernels.add_bias(o, lw.bo)
-    kernels.add_into(x, o)
+        ops.add_bias(o, lw.bo)
+    ops.add_into(x, o)
 
 
 class Transformer:
     """A llama / qwen3 model: weights, rope tables, a workspace, and its KV cache."""
 
     def __init__(self, hp: HParams, weights: ModelWeights, *, n_ctx: int,
-                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
+                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK, device: str = "cpu"):
         if n_ctx <= 0:
             raise ValueError(f"context size must be positive, got {n_ctx}")
         if not 1 <= chunk <= MAX_CHUNK:
             raise ValueError(f"chunk must be in 1..{MAX_CHUNK}, got {chunk}")
         self.hp = hp
-        self.weights = weights
+        self.ops = ops = get_backend(device)
         self.n_ctx = n_ctx
         self.chunk = chunk
-        self.rope = kernels.rope_tables(
+        freq_factors = weights.rope_freqs  # numpy, or on the device when weights were placed
+        if freq_factors is not None and not isinstance(freq_factors, np.ndarray):
+            freq_factors = ops.to_host(freq_factors)
+        cos, sin = kernels.rope_tables(
             n_ctx, hp.n_rot, hp.rope_freq_base, freq_scale=hp.rope_freq_scale,
-            freq_factors=weights.rope_freqs, yarn=hp.yarn)
-        self.ws = Workspace(hp, chunk)
+            freq_factors=freq_factors, yarn=hp.yarn)
+        self.rope = (ops.asarray(cos), ops.asarray(sin))
+        self.weights = ops.place_weights(weights)  # weights placed before stay where they are
+        self.ws = Workspace(hp, chunk, ops)
         self.cache_type = cache_type
         self.cache = self.new_cache()
         self.single_thread = max(lin.nbytes for lin in weights.linears()) < SINGLE_THREAD_BELOW_BYTES
@@ -181,7 +193,8 @@ class Transformer:
         n_ctx = n_ctx or self.n_ctx
         if n_ctx > self.n_ctx:
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
-        return KVCache(n_layer or hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim, self.cache_type)
+        return self.ops.kv_cache(n_layer or hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim,
+                                 self.cache_type)
 
     # --- the NextN (MTP) layer, for the MTP drafter (speculative/mtp.py) ---------------------
 
@@ -217,17 +230,19 @@ class Transformer:
         return None
 
     def embed(self, tokens) -> np.ndarray:
-        """Token embeddings (k, n_embd) float32."""
+        """Token embeddings (k, n_embd) float32, on the model's device."""
         return self.weights.token_embd.rows(tokens)
 
-    def output(self, x: np.ndarray, out: np.ndarray | None = None):
-        """Final norm and logits of rows x (k, n_embd): returns (normed, logits)."""
+    def output(self, x):
+        """Final norm and logits of rows x (k, n_embd, on the device): returns (normed,
+        logits), numpy."""
         k = x.shape[0]
-        normed = np.empty_like(x)
-        kernels.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
-        if out is None:
-            out = np.empty((k, self.hp.n_vocab), np.float32)
+        ops = self.ops
+        normed = ops.empty(x.shape)
+        ops.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
+        out = ops.empty((k, self.hp.n_vocab))
         self.weights.output.matmul(normed, out)
+        normed, out = ops.to_host(normed), ops.to_host(out)
         if not np.isfinite(out).all():
             raise NonFiniteLogits("the forward produced non-finite logits (NaN or Inf): the weights "
                                   "are corrupt or overflow float32")
@@ -301,7 +316,7 @@ class Transformer:
         k = x.shape[0]
         if k > self.ws.rows:
             raise ValueError(f"{k} rows exceed the workspace of {self.ws.rows}")
-        if x.shape != (k, self.hp.n_embd) or x.dtype != np.float32 or not x.flags.c_contiguous:
+        if x.shape != (k, self.hp.n_embd) or x.dtype != np.float32 or not self.ops.is_c_contiguous(x):
             raise ValueError(f"x must be C-contiguous float32 of shape (k, {self.hp.n_embd})")
         if positions.shape != (k,) or limits.shape != (k,):
             raise ValueError("positions and limits need one entry per row")
@@ -311,18 +326,21 @@ class Transformer:
         if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
                   or limits.min() < 1 or limits.max() > cache.n_ctx):
             raise ValueError(f"positions must lie in [0, {cache.n_ctx}) and limits in [1, {cache.n_ctx}]")
-        for il in (range(self.hp.n_layer) if layers is None else layers):
+        layers = range(self.hp.n_layer) if layers is None else layers
+        for il in layers:
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
+        positions, limits = self.ops.asarray(positions), self.ops.asarray(limits)
+        for il in layers:
             layer_forward(x, self.weights.layers[il], hp, cache, il, positions, limits,
                           self.rope, self.ws)
             if hidden is not None and il in hidden:
-                hidden[il].append(x.copy())
+                hidden[il].append(self.ops.host_copy(x))
 
-    def _norm(self, x: np.ndarray) -> np.ndarray:
-        normed = np.empty_like(x)
-        kernels.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
-        return normed
+    def _norm(self, x) -> np.ndarray:
+        normed = self.ops.empty(x.shape)
+        self.ops.rmsnorm(x, self.weights.output_norm, self.hp.rms_eps, normed)
+        return self.ops.to_host(normed)
 
 
 class NextNLayer:
@@ -333,10 +351,11 @@ class NextNLayer:
         self.model = model
         self.layer = layer
         self.cache = model.new_cache(n_layer=1)
-        self.ws = Workspace(model.hp, model.chunk)
+        self.ws = Workspace(model.hp, model.chunk, model.ops)
 
     def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
         """x (k <= chunk rows, n_embd) through the layer, in place; writes the cache rows at
         ``positions``."""
         m = self.model
+        positions, limits = m.ops.asarray(positions), m.ops.asarray(limits)
         layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws)

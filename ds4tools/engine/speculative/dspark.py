@@ -21,7 +21,7 @@ dropped after each round; the committed tokens' context rows are added from the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -78,6 +78,13 @@ class DSparkDrafter(Drafter):
             raise ValueError("--dspark-confidence needs a confidence head, and this draft has none")
         self.t = target
         self.w = weights
+        # the block (fc, its layers, norms) runs on the target's device; the Markov and
+        # confidence heads, a row per draft, on the host from ``w``
+        ops = self.ops = target.ops
+        self.dev = replace(weights, fc=ops.place_weights(weights.fc),
+                           hidden_norm=ops.place_weights(weights.hidden_norm),
+                           layers=ops.place_weights(weights.layers),
+                           norm=ops.place_weights(weights.norm))
         self.hp = weights.hparams
         self.block = block
         self.threshold = float(confidence)
@@ -94,10 +101,11 @@ class DSparkDrafter(Drafter):
             return
         hp = self.hp
         self.cache = target.new_cache(n_layer=len(weights.layers))
-        self.rope = kernels.rope_tables(target.n_ctx, hp.n_rot, hp.rope_freq_base,
-                                        freq_scale=hp.rope_freq_scale, yarn=hp.yarn)
+        cos, sin = kernels.rope_tables(target.n_ctx, hp.n_rot, hp.rope_freq_base,
+                                       freq_scale=hp.rope_freq_scale, yarn=hp.yarn)
+        self.rope = (ops.asarray(cos), ops.asarray(sin))
         self.rows = max(B, target.chunk)
-        self.ws = Workspace(hp, self.rows)
+        self.ws = Workspace(hp, self.rows, ops)
         self.n_ctx_rows = 0
         # (the Markov table above: the bias W2 . W1[prev] depends only on the previous token,
         # so for a small vocabulary the whole (V, V) table (the demo's: 16 MB) is kept and its
@@ -106,35 +114,36 @@ class DSparkDrafter(Drafter):
     # --- context rows ---------------------------------------------------------------------------
 
     def _features(self, hidden: dict, tokens, rows: int) -> np.ndarray:
-        """The draft's input features for the first ``rows`` rows of a target forward."""
+        """The draft's input features for the first ``rows`` rows of a target forward (numpy)."""
         parts = []
         for l in self.w.target_layers:
-            parts.append(self.t.embed(np.asarray(tokens[:rows], np.int64)) if l < 0 else hidden[l][:rows])
+            parts.append(self.ops.to_host(self.t.embed(np.asarray(tokens[:rows], np.int64)))
+                         if l < 0 else hidden[l][:rows])
         return np.ascontiguousarray(np.concatenate(parts, axis=1), np.float32)
 
     def _add_context(self, feats: np.ndarray, start: int) -> None:
         """Context K/V rows for positions start.. from target features (k, n_targets * H)."""
-        hp, w = self.hp, self.w
+        hp, w, ops = self.hp, self.dev, self.ops
         for c0 in range(0, feats.shape[0], self.rows):
-            f = feats[c0:c0 + self.rows]
+            f = ops.asarray(feats[c0:c0 + self.rows])
             n = f.shape[0]
-            ctx = np.empty((n, hp.n_embd), np.float32)
+            ctx = ops.empty((n, hp.n_embd))
             w.fc.matmul(f, ctx)
-            kernels.rmsnorm(ctx, w.hidden_norm, hp.rms_eps, ctx)
-            positions = np.arange(start + c0, start + c0 + n, dtype=np.int64)
+            ops.rmsnorm(ctx, w.hidden_norm, hp.rms_eps, ctx)
+            positions = ops.asarray(np.arange(start + c0, start + c0 + n, dtype=np.int64))
             k = self.ws.k[:n]
             v = self.ws.v[:n]
             for j, lw in enumerate(w.layers):
                 lw.wk.matmul(ctx, k.reshape(n, hp.n_kv))
                 lw.wv.matmul(ctx, v.reshape(n, hp.n_kv))
                 if lw.bk is not None:
-                    kernels.add_bias(k.reshape(n, hp.n_kv), lw.bk)
+                    ops.add_bias(k.reshape(n, hp.n_kv), lw.bk)
                 if lw.bv is not None:
-                    kernels.add_bias(v.reshape(n, hp.n_kv), lw.bv)
+                    ops.add_bias(v.reshape(n, hp.n_kv), lw.bv)
                 if lw.k_norm is not None:
                     k2 = k.reshape(n * hp.n_head_kv, hp.head_dim)
-                    kernels.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
-                kernels.rope(k, positions, self.rope[0], self.rope[1], hp.rope_type == "neox")
+                    ops.rmsnorm(k2, lw.k_norm, hp.rms_eps, k2)
+                ops.rope(k, positions, self.rope[0], self.rope[1], hp.rope_type == "neox")
                 self.cache.store(j, k, v, positions)
         self.n_ctx_rows = start + feats.shape[0]
         self.cache.length = self.n_ctx_rows
@@ -158,26 +167,26 @@ class DSparkDrafter(Drafter):
     # --- the block ------------------------------------------------------------------------------
 
     def _block(self, anchor: int):
-        """Normed slot outputs h (B, H) for [anchor, mask x (B-1)]."""
-        hp, w, B = self.hp, self.w, self.w.block_size
+        """Normed slot outputs h (B, H) for [anchor, mask x (B-1)], on the target's device."""
+        hp, w, ops, B = self.hp, self.dev, self.ops, self.w.block_size
         a = self.n_ctx_rows
         if a + B > self.cache.n_ctx:
             return None
         x = self.t.embed(np.asarray([anchor] + [w.mask_token_id] * (B - 1), np.int64))
-        positions = np.arange(a, a + B, dtype=np.int64)
-        limits = np.full(B, a + B, np.int64)  # every context row before a, the whole block
+        positions = ops.asarray(np.arange(a, a + B, dtype=np.int64))
+        limits = ops.asarray(np.full(B, a + B, np.int64))  # every context row before a, the whole block
         for j, lw in enumerate(w.layers):
             layer_forward(x, lw, hp, self.cache, j, positions, limits, self.rope, self.ws)
         self.cache.length = a  # drop the block's rows: only context rows persist
-        h = np.empty_like(x)
-        kernels.rmsnorm(x, w.norm, hp.rms_eps, h)
+        h = ops.empty(x.shape)
+        ops.rmsnorm(x, w.norm, hp.rms_eps, h)
         return h
 
-    def _base_logits(self, h: np.ndarray) -> np.ndarray:
-        """U (n, V): the target's lm_head on the slot outputs that may be proposed."""
-        logits = np.empty((h.shape[0], self.t.hp.n_vocab), np.float32)
+    def _base_logits(self, h) -> np.ndarray:
+        """U (n, V), numpy: the target's lm_head on the slot outputs that may be proposed."""
+        logits = self.ops.empty((h.shape[0], self.t.hp.n_vocab))
         self.t.weights.output.matmul(h, logits)
-        return logits
+        return self.ops.to_host(logits)
 
     def propose(self, anchor, max_tokens, sampler, rng) -> Proposal:
         n = min(self.block, max_tokens)
@@ -188,6 +197,8 @@ class DSparkDrafter(Drafter):
             h = h_out = self._block(int(anchor))
         if h is None:  # no room in the context for a block: decode without drafts
             return Proposal()
+        if self.w.conf_w is not None:
+            h = self.ops.to_host(h)  # the confidence head's input, on the host
         # The lm_head is the draft's largest matrix: it runs once, on the n slots that can be
         # proposed (not the whole block), and not at all when the first slot is cut.
         U = None
@@ -205,7 +216,7 @@ class DSparkDrafter(Drafter):
                     cut = True
                     break
             if U is None:
-                U = self._base_logits(np.ascontiguousarray(h_out[:n]))
+                U = self._base_logits(self.ops.asarray(h_out[:n]))
             if self.markov_table is not None:
                 z = U[k] + self.markov_table[prev]
             else:

@@ -33,7 +33,6 @@ import numpy as np
 
 from ..sampling import draw
 from ..weights import Linear
-from .. import kernels
 from .drafter import Drafter, Proposal
 
 
@@ -65,7 +64,8 @@ class MtpHead:
 
     def __init__(self, target, weights: MtpHeadWeights):
         self.t = target
-        self.w = weights
+        self.ops = target.ops
+        self.w = weights = target.ops.place_weights(weights)  # on the target's device
         hp = target.hp
         self.hp = hp
         self.layer = target.nextn_layer(weights.layer)
@@ -73,41 +73,46 @@ class MtpHead:
         self.rows = target.chunk
         self.hidden_width = hp.n_embd  # the target-side hidden rows it reads
 
-    def run(self, hidden: np.ndarray, tokens, start_pos: int) -> np.ndarray:
-        """Head rows for positions start_pos.. from target-side hidden states (k, H) and the
-        next tokens (k,); returns the layer outputs y (k, H). Writes the head's cache rows."""
-        hp, w = self.hp, self.w
+    def run(self, hidden, tokens, start_pos: int):
+        """Head rows for positions start_pos.. from target-side hidden states (k, H: numpy, or
+        the head's own normed rows on the device) and the next tokens (k,); returns the layer
+        outputs y (k, H) on the target's device. Writes the head's cache rows."""
+        hp, w, ops = self.hp, self.w, self.ops
         k = len(tokens)
-        out = np.empty((k, hp.n_embd), np.float32)
+        out = ops.empty((k, hp.n_embd))
         for c0 in range(0, k, self.rows):
             c1 = min(k, c0 + self.rows)
             n = c1 - c0
             ids = np.asarray(tokens[c0:c1], np.int64)
             e = self.t.embed(ids) if w.embed is None else w.embed.rows(ids)
-            kernels.rmsnorm(e, w.enorm, hp.rms_eps, e)
-            h = np.empty((n, hp.n_embd), np.float32)
-            kernels.rmsnorm(np.ascontiguousarray(hidden[c0:c1], np.float32), w.hnorm, hp.rms_eps, h)
-            x = np.empty((n, hp.n_embd), np.float32)
+            ops.rmsnorm(e, w.enorm, hp.rms_eps, e)
+            h = ops.empty((n, hp.n_embd))
+            ops.rmsnorm(ops.asarray(hidden[c0:c1]), w.hnorm, hp.rms_eps, h)
+            x = ops.empty((n, hp.n_embd))
             if w.eh_proj is not None:
-                w.eh_proj.matmul(np.ascontiguousarray(np.concatenate([e, h], axis=1)), x)
+                eh = ops.empty((n, 2 * hp.n_embd))
+                ops.concat_columns(e, h, eh)
+                w.eh_proj.matmul(eh, x)
             else:
                 w.e_proj.matmul(e, x)
-                hx = np.empty_like(x)
+                hx = ops.empty((n, hp.n_embd))
                 w.h_proj.matmul(h, hx)
-                kernels.add_into(x, hx)
+                ops.add_into(x, hx)
             positions = np.arange(start_pos + c0, start_pos + c1, dtype=np.int64)
             self.layer.forward(x, positions, positions + 1)
             self.cache.length = start_pos + c1
-            out[c0:c1] = x
+            ops.copy_into(out[c0:c1], x)
         return out
 
-    def head(self, y: np.ndarray):
-        """shared_head_norm(y) and the target's logits for rows y (k, H)."""
-        normed = np.empty_like(y)
-        kernels.rmsnorm(y, self.w.norm, self.hp.rms_eps, normed)
-        logits = np.empty((y.shape[0], self.hp.n_vocab), np.float32)
+    def head(self, y):
+        """shared_head_norm(y) (on the device) and the target's logits (numpy) for rows y
+        (k, H)."""
+        ops = self.ops
+        normed = ops.empty(y.shape)
+        ops.rmsnorm(y, self.w.norm, self.hp.rms_eps, normed)
+        logits = ops.empty((y.shape[0], self.hp.n_vocab))
         (self.t.weights.output if self.w.output is None else self.w.output).matmul(normed, logits)
-        return normed, logits
+        return normed, ops.to_host(logits)
 
 
 class MtpDrafter(Drafter):

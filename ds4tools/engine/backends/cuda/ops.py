@@ -1,0 +1,389 @@
+"""The decoder's row operations on an NVIDIA GPU: numba.cuda counterparts of engine/kernels.py.
+
+Every function here is a host-side launcher: it takes numba device arrays (float32, C-contiguous
+unless said), launches ONE kernel on the default stream and returns at once (the work is
+asynchronous, ordered after earlier launches; nothing is copied back or synchronized). Shapes
+and meaning are those of the CPU kernels of the same name in ``ds4tools.engine.kernels``.
+
+Thread layouts
+--------------
+* Element-wise ops (add_bias, add_into, swiglu, rope, store_kv_*): one thread per output element
+  (rope: per rotated pair; store_kv: per (row, kv head, dim)), ELEMENT_THREADS per block over
+  the flattened index. No thread reads what another writes, so there is nothing to order.
+* rmsnorm: one block of ROW_THREADS threads per row. Thread ``tid`` sums the squares (float64,
+  as ggml and the CPU kernel do) of elements tid, tid + ROW_THREADS, ... in that order; the
+  ROW_THREADS partial sums are then added in thread order from shared memory. Then every
+  thread scales its own elements.
+* attention: one block of ATTENTION_THREADS threads (one warp) per (query row t, query head h);
+  head h reads kv head h // (n_head // n_kv_head). Keys are visited in tiles of
+  ATTENTION_THREADS, from key 0 up to limits[t]:
+    1. thread j scores key j0 + j of the tile (dot product over head_dim in index order);
+    2. the tile's maximum and, after exponentiation against the running maximum, the tile's sum
+       of weights are added in thread order from shared memory;
+    3. the running total and the per-dimension accumulators are rescaled by
+       exp(old max - new max) (an online softmax, so scores need no scratch memory; a tile that
+       does not raise the maximum rescales by exactly 1), then thread i adds weight * value for
+       the tile's keys in key order into dims i, i + ATTENTION_THREADS, ... (a per-thread
+       local array of DIMS_PER_THREAD floats: head_dim <= MAX_HEAD_DIM);
+    4. out = accumulator * (1 / total), written once at the end.
+  Value reads are coalesced (consecutive threads, consecutive dims); key reads are not (thread
+  j reads key row j) -- simple first, a shared-memory key tile would be the next step.
+
+Why this is batch-invariant (lossless speculative decoding)
+-----------------------------------------------------------
+A row's result never depends on how many rows share the launch or what they hold: each block
+works on one row (and one head) only; every reduction -- the sum of squares, the scores, the
+tile maxima and sums, the tile-by-tile running softmax, the weighted sum of values -- runs in an
+order fixed by the row's own length (n, or limits[t]) and by the module's constant thread
+counts, never by k, the grid size or scheduling; there are no atomics. So row t of a k=5
+verification batch has the very bits it has when decoded alone.
+
+Arithmetic
+----------
+Float32 throughout except rmsnorm's float64 sum (as on the CPU). Importing this module imports
+``ds4tools.formats.cuda``, which tells NVVM not to contract a*b+c into FMAs: products and sums
+round separately, as numpy does in the simulator, so the simulator checks the GPU's own
+arithmetic (only exp differs: libdevice's expf against the simulator's rounded double exp).
+exp is clamped to the CPU's exp_f32 range, so silu and softmax weights see the same limits.
+The reductions are not in the CPU kernels' order, so results agree with the CPU to float32
+rounding (~1e-6 relative, attention ~1e-5), not bit for bit -- except add_bias, add_into,
+store_kv_* (exactly the CPU's bits; store_kv_f16 rounds with the CPU's own f32_bits_to_f16).
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from ....formats import cuda as _formats_cuda  # noqa: F401  (no FMA contraction in NVVM)
+from ....formats.floats import f32_bits_to_f16
+
+ELEMENT_THREADS = 64     # threads per block of the element-wise kernels
+ROW_THREADS = 64         # threads per row in rmsnorm
+ATTENTION_THREADS = 32   # threads per (row, head) in attention = keys per tile (power of two)
+DIMS_PER_THREAD = 16     # accumulator registers per attention thread: head_dim <= 32 * 16
+MAX_HEAD_DIM = ATTENTION_THREADS * DIMS_PER_THREAD
+
+assert ROW_THREADS & (ROW_THREADS - 1) == 0 and ROW_THREADS % 32 == 0
+assert ATTENTION_THREADS & (ATTENTION_THREADS - 1) == 0 and ATTENTION_THREADS % 32 == 0
+
+_NEG_INF = np.float32(-np.inf)
+_EXP_MIN = np.float32(-87.33654)   # the clamp of kernels.exp_f32: e**x stays a normal float
+_EXP_MAX = np.float32(88.72283)
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+
+
+def _element_grid(n_items: int) -> tuple[int, int]:
+    return (n_items + ELEMENT_THREADS - 1) // ELEMENT_THREADS, ELEMENT_THREADS
+
+
+# --- device helpers ----------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def _exp(x):
+    """e**x in float32, clamped like kernels.exp_f32 (never 0 or inf)."""
+    return np.float32(math.exp(min(max(x, _EXP_MIN), _EXP_MAX)))
+
+
+@cuda.jit(device=True)
+def _block_sum(scratch, tid, value):
+    """Sum of every thread's value, added in thread order by every thread from the shared
+    array scratch (one slot per thread): two barriers, where a halving tree takes one per
+    level (numba's simulator, which runs the tests, pays for every barrier with every thread).
+    Every thread of the block must call it; all get the same sum."""
+    scratch[tid] = value
+    cuda.syncthreads()
+    total = scratch[0]
+    for i in range(1, scratch.shape[0]):
+        total = total + scratch[i]
+    cuda.syncthreads()  # everyone has read scratch before it is reused
+    return total
+
+
+@cuda.jit(device=True)
+def _block_max(scratch, tid, value):
+    """Maximum of every thread's value (as _block_sum, in thread order)."""
+    scratch[tid] = value
+    cuda.syncthreads()
+    top = scratch[0]
+    for i in range(1, scratch.shape[0]):
+        b = scratch[i]
+        top = top if top >= b else b
+    cuda.syncthreads()
+    return top
+
+
+# --- normalization and element-wise ops --------------------------------------------------------
+
+
+@cuda.jit
+def _rmsnorm_kernel(x, weight, eps, out):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n = x.shape[1]
+    scratch = cuda.shared.array(ROW_THREADS, np.float64)
+    sum_sq = np.float64(0.0)
+    for i in range(tid, n, ROW_THREADS):  # a fixed stride: the same split for every row
+        v = np.float64(x[row, i])
+        sum_sq += v * v
+    total = _block_sum(scratch, tid, sum_sq)
+    # as the CPU: mean and reciprocal root in float64, the scaling in float32
+    scale = np.float32(1.0 / math.sqrt(total / n + eps))
+    for i in range(tid, n, ROW_THREADS):  # each thread rewrites only what it read: out may be x
+        out[row, i] = (x[row, i] * scale) * weight[i]
+
+
+def rmsnorm(x, weight, eps, out):
+    """out[t] = x[t] / rms(x[t]) * weight; x, out (k, n); weight (n,). out may be x.
+    Also the per-head norm, on x reshaped to (k * heads, head_dim)."""
+    if x.shape[0] == 0:
+        return
+    _rmsnorm_kernel[x.shape[0], ROW_THREADS](x, weight, float(eps), out)
+
+
+@cuda.jit
+def _add_bias_kernel(x, bias):
+    idx = cuda.grid(1)
+    n = x.shape[1]
+    if idx < x.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        x[t, i] += bias[i]
+
+
+def add_bias(x, bias):
+    """x[t] += bias for every row; x (k, n), bias (n,)."""
+    if x.size == 0:
+        return
+    blocks, threads = _element_grid(x.size)
+    _add_bias_kernel[blocks, threads](x, bias)
+
+
+@cuda.jit
+def _add_into_kernel(x, y):
+    idx = cuda.grid(1)
+    n = x.shape[1]
+    if idx < x.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        x[t, i] += y[t, i]
+
+
+def add_into(x, y):
+    """x += y (the residual stream); both (k, n)."""
+    if x.size == 0:
+        return
+    blocks, threads = _element_grid(x.size)
+    _add_into_kernel[blocks, threads](x, y)
+
+
+@cuda.jit
+def _swiglu_kernel(gate, up, out):
+    idx = cuda.grid(1)
+    n = gate.shape[1]
+    if idx < gate.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        g = gate[t, i]
+        # silu(g) = g / (1 + exp(-g)), in ggml's order of operations
+        out[t, i] = g / (_ONE + _exp(-g)) * up[t, i]
+
+
+def swiglu(gate, up, out):
+    """out = silu(gate) * up, all (k, n). out may be gate."""
+    if gate.size == 0:
+        return
+    blocks, threads = _element_grid(gate.size)
+    _swiglu_kernel[blocks, threads](gate, up, out)
+
+
+# --- rotary position embedding ------------------------------------------------------------------
+
+
+@cuda.jit
+def _rope_kernel(x, positions, cos, sin, neox):
+    idx = cuda.grid(1)
+    heads = x.shape[1]
+    half = cos.shape[1]
+    if idx < x.shape[0] * heads * half:
+        pair = idx % half  # one thread per rotated pair: it reads and writes only its two dims
+        row_head = idx // half
+        t = row_head // heads
+        h = row_head - t * heads
+        if neox:
+            first = pair
+            second = pair + half
+        else:
+            first = 2 * pair
+            second = 2 * pair + 1
+        p = positions[t]
+        c = cos[p, pair]
+        s = sin[p, pair]
+        a = x[t, h, first]
+        b = x[t, h, second]
+        x[t, h, first] = a * c - b * s
+        x[t, h, second] = a * s + b * c
+
+
+def rope(x, positions, cos, sin, neox):
+    """Rotate x (k, heads, head_dim) in place by the angles of positions (device int64 (k,)).
+
+    cos, sin: (n_positions, n_rot // 2); dims from n_rot on pass through. neox=False: pairs
+    (2i, 2i + 1) (llama.cpp's "norm" mode); neox=True: pairs (i, i + n_rot / 2)."""
+    n_items = x.shape[0] * x.shape[1] * cos.shape[1]
+    if n_items == 0:
+        return
+    blocks, threads = _element_grid(n_items)
+    _rope_kernel[blocks, threads](x, positions, cos, sin, bool(neox))
+
+
+# --- KV cache writes ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def _store_kv_f32_kernel(cache_k, cache_v, k_rows, v_rows, positions):
+    idx = cuda.grid(1)
+    n_kv, head_dim = k_rows.shape[1], k_rows.shape[2]
+    if idx < k_rows.shape[0] * n_kv * head_dim:
+        i = idx % head_dim
+        row_head = idx // head_dim
+        t = row_head // n_kv
+        g = row_head - t * n_kv
+        p = positions[t]
+        cache_k[g, p, i] = k_rows[t, g, i]
+        cache_v[g, p, i] = v_rows[t, g, i]
+
+
+def store_kv_f32(cache_k, cache_v, k_rows, v_rows, positions):
+    """cache_* (n_kv_head, n_ctx, head_dim) float32 <- rows (k, n_kv_head, head_dim) at
+    positions (device int64 (k,))."""
+    if k_rows.size == 0:
+        return
+    blocks, threads = _element_grid(k_rows.size)
+    _store_kv_f32_kernel[blocks, threads](cache_k, cache_v, k_rows, v_rows, positions)
+
+
+@cuda.jit
+def _store_kv_f16_kernel(cache_k, cache_v, k_bits, v_bits, positions):
+    idx = cuda.grid(1)
+    n_kv, head_dim = k_bits.shape[1], k_bits.shape[2]
+    if idx < k_bits.shape[0] * n_kv * head_dim:
+        i = idx % head_dim
+        row_head = idx // head_dim
+        t = row_head // n_kv
+        g = row_head - t * n_kv
+        p = positions[t]
+        # the CPU's own rounding function (an @njit callee compiles for the device)
+        cache_k[g, p, i] = f32_bits_to_f16(np.int64(k_bits[t, g, i]))
+        cache_v[g, p, i] = f32_bits_to_f16(np.int64(v_bits[t, g, i]))
+
+
+def store_kv_f16(cache_k, cache_v, k_rows, v_rows, positions):
+    """As store_kv_f32 into an fp16 cache (uint16 bit patterns, rounded to nearest even exactly
+    as the CPU's store_kv_f16)."""
+    if k_rows.size == 0:
+        return
+    blocks, threads = _element_grid(k_rows.size)
+    # float32 -> its bit pattern: a free reinterpretation of the device buffer
+    _store_kv_f16_kernel[blocks, threads](cache_k, cache_v, k_rows.view(np.uint32),
+                                          v_rows.view(np.uint32), positions)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def _read_f32(cache, lut, g, j, i):
+    return cache[g, j, i]
+
+
+@cuda.jit(device=True)
+def _read_f16(cache, lut, g, j, i):
+    return lut[cache[g, j, i]]
+
+
+def _make_attention_kernel(read_cache):
+    """The attention kernel over a cache whose element (g, j, i) is read_cache(cache, lut, g, j, i)
+    as a float32 (two kernels, because numba types both branches of a runtime test)."""
+
+    @cuda.jit
+    def attention_kernel(q, cache_k, cache_v, limits, scale, lut, out):
+        n_head, head_dim = q.shape[1], q.shape[2]
+        row_head = cuda.blockIdx.x
+        t = row_head // n_head
+        h = row_head - t * n_head
+        g = h // (n_head // cache_k.shape[0])
+        tid = cuda.threadIdx.x
+        limit = limits[t]  # the same for the whole block: every thread runs the same loops
+        scratch = cuda.shared.array(ATTENTION_THREADS, np.float32)
+        weights = cuda.shared.array(ATTENTION_THREADS, np.float32)
+        acc = cuda.local.array(DIMS_PER_THREAD, np.float32)
+        for d in range(DIMS_PER_THREAD):
+            acc[d] = _ZERO
+        running_max = _NEG_INF
+        total = _ZERO
+        for j0 in range(0, limit, ATTENTION_THREADS):
+            key = j0 + tid
+            score = _NEG_INF
+            if key < limit:
+                dot = _ZERO
+                for i in range(head_dim):
+                    dot += q[t, h, i] * read_cache(cache_k, lut, g, key, i)
+                score = dot * scale
+            new_max = max(running_max, _block_max(scratch, tid, score))
+            weight = _ZERO
+            if key < limit:
+                weight = _exp(score - new_max)
+            weights[tid] = weight
+            tile_total = _block_sum(scratch, tid, weight)  # (its barriers publish weights too)
+            # earlier tiles were weighted against the old maximum: rescale them (by exactly 1
+            # when the maximum did not move; by ~0 on the first tile, where all is still 0)
+            rescale = _exp(running_max - new_max)
+            total = total * rescale + tile_total
+            running_max = new_max
+            n_keys = min(ATTENTION_THREADS, limit - j0)
+            for d in range(DIMS_PER_THREAD):
+                i = tid + d * ATTENTION_THREADS
+                if i < head_dim:
+                    a = acc[d] * rescale
+                    for j in range(n_keys):  # key order
+                        a += weights[j] * read_cache(cache_v, lut, g, j0 + j, i)
+                    acc[d] = a
+            cuda.syncthreads()  # all have read weights before the next tile rewrites them
+        inv_total = _ONE / total
+        for d in range(DIMS_PER_THREAD):
+            i = tid + d * ATTENTION_THREADS
+            if i < head_dim:
+                out[t, h, i] = acc[d] * inv_total
+
+    return attention_kernel
+
+
+_attention_f32_kernel = _make_attention_kernel(_read_f32)
+_attention_f16_kernel = _make_attention_kernel(_read_f16)
+
+
+def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None):
+    """softmax(scale * q . k) weighted sum of values over cache rows [0, limits[t]) for row t.
+
+    q, out (k, n_head, head_dim); cache_* (n_kv_head, n_ctx, head_dim): float32, or uint16 fp16
+    bit patterns when f16_lut (a device copy of formats._numeric.FP16_TO_FP32) is given;
+    limits device int64 (k,). Query head h reads kv head h // (n_head // n_kv_head) (GQA).
+    A row with limit 0 gives NaN (0 / 0), as on the CPU."""
+    k, n_head, head_dim = q.shape
+    n_kv = cache_k.shape[0]
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"attention: head_dim {head_dim} > {MAX_HEAD_DIM} (raise DIMS_PER_THREAD)")
+    if n_kv == 0 or n_head % n_kv:
+        raise ValueError(f"attention: {n_head} query heads do not share {n_kv} kv heads evenly")
+    if k * n_head == 0:
+        return
+    scale = np.float32(scale)  # a Python float would make the scores float64 on the device
+    if f16_lut is None:
+        # the f32 reader never touches lut: any device array of fixed type will do
+        _attention_f32_kernel[k * n_head, ATTENTION_THREADS](q, cache_k, cache_v, limits, scale,
+                                                             cache_k, out)
+    else:
+        _attention_f16_kernel[k * n_head, ATTENTION_THREADS](q, cache_k, cache_v, limits, scale,
+                                                             f16_lut, out)
