@@ -38,12 +38,14 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 from gguf import GGUFValueType as V  # noqa: E402
 
 from ds4tools.bench.measure import (best_of, cost_ratios, decode_weight_bytes,  # noqa: E402
                                     memcpy_bandwidth, verify_seconds)
 from ds4tools.gguf_io import GGUFStreamWriter  # noqa: E402
+from paired import llama_cpp_context  # noqa: E402
 
 REFERENCE_TPS = {"q8_0": 29.0, "q4_k_m": 50.0}
 # ~350M parameters: 24 layers, hidden 1024, ffn 2816, 16 query / 8 kv heads of 64, vocab 32000
@@ -186,28 +188,8 @@ def measure_model(eng, repeat, n_prompt=512, n_decode=32, ks=(1, 2, 4, 8, 16)) -
 LLAMA_CPP_CHILD = """
 import json, sys, time
 import numpy as np
-import llama_cpp as L
 path, threads, n_prompt, n_decode, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-L.llama_backend_init()
-mp = L.llama_model_default_params()
-mp.use_extra_bufts = False  # its AMX / repacked weight buffers crash in some VMs
-model = L.llama_model_load_from_file(path.encode(), mp)
-cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
-cp.n_threads = cp.n_threads_batch = threads
-ctx = L.llama_init_from_model(model, cp)
-mem = L.llama_get_memory(ctx)
-n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-batch = L.llama_batch_init(512, 0, 1)
-
-def forward(tokens, pos0, all_logits):
-    for i, t in enumerate(tokens):
-        batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), pos0 + i, 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
-    batch.n_tokens = len(tokens)
-    assert L.llama_decode(ctx, batch) == 0
-
+""" + llama_cpp_context() + """
 prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
 best = lambda f: min(f() for _ in range(repeat))
 

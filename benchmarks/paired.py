@@ -84,7 +84,13 @@ serve({"prefill": h_prefill, "decode": h_decode, "rk": h_rk,
        "rss": lambda: {"peak_rss_mb": peak_rss_mb()}})
 """
 
-LLAMA_CPP_CHILD = COMMON + """
+def llama_cpp_context(context_params: str = "") -> str:
+    """A llama.cpp child's start (llama-cpp-python's low-level API): the model at ``path``, a
+    1024-token context on ``threads`` threads, and ``forward(tokens, pos0, all_logits)``.
+    ``context_params``: more lines setting ``cp`` (the context parameters) before it is made.
+    The scripts that measure against llama.cpp (this one, bench_engine, bench_deepseek4) all
+    start their children with it."""
+    return """
 import llama_cpp as L
 L.llama_backend_init()
 mp = L.llama_model_default_params()
@@ -93,6 +99,7 @@ model = L.llama_model_load_from_file(path.encode(), mp)
 cp = L.llama_context_default_params()
 cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
 cp.n_threads = cp.n_threads_batch = threads
+""" + context_params + """
 ctx = L.llama_init_from_model(model, cp)
 mem = L.llama_get_memory(ctx)
 n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -104,6 +111,10 @@ def forward(tokens, pos0, all_logits):
         batch.logits[i] = 1 if all_logits or i == len(tokens) - 1 else 0
     batch.n_tokens = len(tokens)
     assert L.llama_decode(ctx, batch) == 0
+"""
+
+
+LLAMA_CPP_CHILD = COMMON + llama_cpp_context() + """
 prompt = np.random.default_rng(0).integers(3, n_vocab, n_prompt)
 forward(prompt[:8], 0, False)
 def prefill():

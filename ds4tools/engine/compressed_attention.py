@@ -341,19 +341,24 @@ def indexer_top_k(iq, iw, keys, positions, ratio, top_k, sel, n_sel):
         n_sel[t] = top_k
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _attended_key(j, kv, ring, p0, lo, n_raw, comp, sel_t):
+    """Key j of _attend_one's list: raw row lo + j (row r - p0 of kv from p0 on, ring row
+    r mod cap below) for j < n_raw, then the selected compressed entries."""
+    if j < n_raw:
+        r = lo + j
+        return kv[r - p0] if r >= p0 else ring[r % ring.shape[0]]
+    return comp[sel_t[j - n_raw]]
+
+
 @njit(cache=True, error_model="numpy")
 def _attend_one(qh, kv, ring, p0, lo, n_raw, comp, sel_t, m, sink, scale, s, o):
     """o = the sink softmax of qh . key * scale over the raw rows lo .. lo + n_raw - 1 (row
     s - p0 of kv from p0 on, ring row s mod cap below) then comp[sel_t[:m]], applied to them."""
     d = qh.shape[0]
-    cap = ring.shape[0]
     mx = sink
     for j in range(n_raw + m):
-        if j < n_raw:
-            r = lo + j
-            key = kv[r - p0] if r >= p0 else ring[r % cap]
-        else:
-            key = comp[sel_t[j - n_raw]]
+        key = _attended_key(j, kv, ring, p0, lo, n_raw, comp, sel_t)
         v = _dot32(qh, key, d) * scale
         s[j] = v
         mx = max(mx, v)
@@ -366,12 +371,7 @@ def _attend_one(qh, kv, ring, p0, lo, n_raw, comp, sel_t, m, sink, scale, s, o):
     for i in range(d):
         o[i] = 0.0
     for j in range(n_raw + m):
-        if j < n_raw:
-            r = lo + j
-            key = kv[r - p0] if r >= p0 else ring[r % cap]
-        else:
-            key = comp[sel_t[j - n_raw]]
-        _axpy(o, key, s[j] * inv, d)
+        _axpy(o, _attended_key(j, kv, ring, p0, lo, n_raw, comp, sel_t), s[j] * inv, d)
 
 
 @njit(cache=True, error_model="numpy")
