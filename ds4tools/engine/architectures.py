@@ -35,7 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", hparams_from_metadata, load_weights, Transformer, devices=("cpu", "cuda")),
     Architecture("qwen3", hparams_from_metadata, load_weights, Transformer, devices=("cpu", "cuda")),
     Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
-                 glm4moe.Glm4MoeTransformer, dspark_drafts=False),
+                 glm4moe.Glm4MoeTransformer, dspark_drafts=False, devices=("cpu", "cuda")),
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
                  deepseek2.Deepseek2Transformer, dspark_drafts=False),
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,

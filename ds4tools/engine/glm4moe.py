@@ -25,7 +25,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from . import kernels
 from .hparams import HParams, HParamsError, decoder_hparams
 from .kv_cache import KVCache
 from .moe import (MOE_TENSORS, FeedForward, MoEHParams, MoEWeights, MoEWorkspace, feed_forward,
@@ -151,15 +150,16 @@ def layer_forward(x: np.ndarray, lw: Glm4MoeLayerWeights, hp: Glm4MoeHParams, ca
     """One decoder layer on x (k, n_embd), in place (see transformer.layer_forward for
     ``positions`` and ``limits``)."""
     attention_block(x, lw, hp, cache, layer, positions, limits, rope, ws)
+    ops = ws.ops
     k = x.shape[0]
     h = ws.norm[:k]
     o = ws.proj[:k]
-    kernels.rmsnorm(x, lw.post_attention_norm, hp.rms_eps, h)
+    ops.rmsnorm(x, lw.post_attention_norm, hp.rms_eps, h)
     if lw.moe is not None:
         moe_forward(h, lw.moe, hp.moe, moe_ws, o)
     else:
-        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o)
-    kernels.add_into(x, o)
+        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o, ops)
+    ops.add_into(x, o)
 
 
 class Glm4MoeNextN:
@@ -170,13 +170,14 @@ class Glm4MoeNextN:
         self.model = model
         self.layer = layer
         self.cache = model.new_cache(n_layer=1)
-        self.ws = Workspace(model.hp, model.chunk)
-        self.moe_ws = MoEWorkspace(model.hp.moe, model.hp.n_embd, self.ws.rows)
+        self.ws = Workspace(model.hp, model.chunk, model.ops)
+        self.moe_ws = MoEWorkspace(model.hp.moe, model.hp.n_embd, self.ws.rows, model.ops)
 
     def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
         """x (k <= chunk rows, n_embd) through the layer, in place; writes the cache rows at
         ``positions`` (checked by the caller: MtpHead runs positions 0.. in order)."""
         m = self.model
+        positions, limits = m.ops.asarray(positions), m.ops.asarray(limits)
         layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
                       self.moe_ws)
 
@@ -188,23 +189,26 @@ class Glm4MoeTransformer(Transformer):
     dense_mtp_heads = False  # its NextN layer is this module's (attention + experts)
 
     def __init__(self, hp: Glm4MoeHParams, weights: ModelWeights, *, n_ctx: int,
-                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
-        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk)
-        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
+                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK, device: str = "cpu"):
+        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk,
+                         device=device)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows, self.ops)
 
     def run_layers(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray,
                    cache: KVCache, hidden: dict | None = None, layers=None) -> None:
         # The base class checks everything the kernels index (an empty layer list runs none).
         super().run_layers(x, positions, limits, cache, None, layers=())
-        positions = np.ascontiguousarray(positions, np.int64)
-        limits = np.ascontiguousarray(limits, np.int64)
-        for il in (range(self.hp.n_layer) if layers is None else layers):
+        layers = range(self.hp.n_layer) if layers is None else tuple(layers)
+        for il in layers:
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
+        positions = self.ops.asarray(np.ascontiguousarray(positions, np.int64))
+        limits = self.ops.asarray(np.ascontiguousarray(limits, np.int64))
+        for il in layers:
             layer_forward(x, self.weights.layers[il], self.hp, cache, il, positions, limits,
                           self.rope, self.ws, self.moe_ws)
             if hidden is not None and il in hidden:
-                hidden[il].append(x.copy())
+                hidden[il].append(self.ops.host_copy(x))
 
     # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
 

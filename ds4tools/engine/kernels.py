@@ -161,6 +161,22 @@ def swiglu(gate, up, out):
             _swiglu_row(gate[t], up[t], out[t], tmp)
 
 
+@njit(cache=True, error_model="numpy")
+def weighted_sum(expert_out, weights, out):
+    """out[t] = sum_j weights[t, j] * expert_out[t, j] (k, n_slots, n): a mixture of experts'
+    slots added in order (as ggml: each product rounded to float32, then the views added one
+    after another)."""
+    k, n_used, n = expert_out.shape
+    for t in range(k):
+        w0 = weights[t, 0]
+        for i in range(n):
+            out[t, i] = expert_out[t, 0, i] * w0
+        for j in range(1, n_used):
+            w = weights[t, j]
+            for i in range(n):
+                out[t, i] = out[t, i] + expert_out[t, j, i] * w
+
+
 # --- rotary position embedding -----------------------------------------------------------------
 
 

@@ -37,6 +37,8 @@ from ..formats.grouped import (_prep_rows, grouped_kq_shared, grouped_matmul, kq
 from ..formats.kquants import _QK_FUSED_TOKENS
 from ..formats._int8dot import K_AFFINE, K_PAIRED, KPAIR_BYTES
 from . import kernels
+from .backends.cpu import CPU
+from .kernels import weighted_sum  # noqa: F401  (this block's slot sum: deepseek4 and tp use it)
 from .hparams import HParamsError, _get, _positive
 from .weights import Linear, SharedInput, WeightsError, _linear, _tensor, _vector, int8_for
 
@@ -285,19 +287,21 @@ MOE_TENSORS = ("ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight"
 
 
 class MoEWorkspace:
-    """The block's activation buffers for up to ``rows`` rows (see transformer.Workspace)."""
+    """The block's activation buffers for up to ``rows`` rows on the device of backend ``ops``
+    (see transformer.Workspace); the routing (ids, weights) is worked out on the host."""
 
-    def __init__(self, hp: MoEHParams, n_embd: int, rows: int):
+    def __init__(self, hp: MoEHParams, n_embd: int, rows: int, ops=CPU):
         f = np.float32
-        self.logits = np.empty((rows, hp.n_expert), f)
+        self.ops = ops
+        self.logits = ops.empty((rows, hp.n_expert))
         self.ids = np.empty((rows, hp.n_expert_used), np.int64)
         self.weights = np.empty((rows, hp.n_expert_used), f)
-        self.gate = np.empty((rows, hp.n_expert_used, hp.n_ff_exp), f)
-        self.up = np.empty((rows, hp.n_expert_used, hp.n_ff_exp), f)
-        self.down = np.empty((rows, hp.n_expert_used, n_embd), f)
-        self.shared_gate = np.empty((rows, hp.n_ff_shexp), f)
-        self.shared_up = np.empty((rows, hp.n_ff_shexp), f)
-        self.shared_out = np.empty((rows, n_embd), f)
+        self.gate = ops.empty((rows, hp.n_expert_used, hp.n_ff_exp))
+        self.up = ops.empty((rows, hp.n_expert_used, hp.n_ff_exp))
+        self.down = ops.empty((rows, hp.n_expert_used, n_embd))
+        self.shared_gate = ops.empty((rows, hp.n_ff_shexp))
+        self.shared_up = ops.empty((rows, hp.n_ff_shexp))
+        self.shared_out = ops.empty((rows, n_embd))
         self.no_bias = np.zeros(0, f)
         # the one-call path: the (row, slot) pairs sorted by expert (see formats.grouped)
         self.order = np.empty(rows * hp.n_expert_used, np.int64)
@@ -383,27 +387,13 @@ def select_experts(logits, selection_bias, sigmoid, n_group, n_group_used, norma
                 weights[t, j] = weights[t, j] * scale
 
 
-@njit(cache=True, error_model="numpy")
-def weighted_sum(expert_out, weights, out):
-    """out[t] = sum_j weights[t, j] * expert_out[t, j], the slots added in order (as ggml:
-    each product rounded to float32, then the views added one after another)."""
-    k, n_used, n = expert_out.shape
-    for t in range(k):
-        w0 = weights[t, 0]
-        for i in range(n):
-            out[t, i] = expert_out[t, 0, i] * w0
-        for j in range(1, n_used):
-            w = weights[t, j]
-            for i in range(n):
-                out[t, i] = out[t, i] + expert_out[t, j, i] * w
-
-
-def feed_forward(h, ffn: FeedForward, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
-    """out = (silu(h Wg) * h Wu) Wd for h (k, n_embd) float32 or a SharedInput."""
+def feed_forward(h, ffn: FeedForward, gate, up, out, ops=CPU) -> None:
+    """out = (silu(h Wg) * h Wu) Wd for h (k, n_embd) float32 or a SharedInput, on backend
+    ``ops``'s arrays."""
     hs = h if isinstance(h, SharedInput) else SharedInput(h)  # quantized once for gate and up
     ffn.w_gate.matmul(hs, gate)
     ffn.w_up.matmul(hs, up)
-    kernels.swiglu(gate, up, gate)
+    ops.swiglu(gate, up, gate)
     ffn.w_down.matmul(gate, out)
 
 
@@ -577,11 +567,15 @@ def moe_forward(h: np.ndarray, w: MoEWeights, hp: MoEHParams, ws: MoEWorkspace,
     """out (k, n_embd) = the routed experts' weighted sum (+ the shared experts) of h."""
     k, n_embd = h.shape
     n_used, F = hp.n_expert_used, hp.n_ff_exp
+    ops = ws.ops
     hs = SharedInput(h)  # quantized once for the router, the experts' gate and up, the shared FFN
     logits = ws.logits[:k]
     w.router.matmul(hs, logits)
     ids, weights = ws.ids[:k], ws.weights[:k]
-    select_experts(logits, ws.no_bias if w.selection_bias is None else w.selection_bias,
+    # routing on the host (a GPU sends back k x n_expert logits): the experts to read are
+    # known before any expert matrix is touched
+    select_experts(ops.to_host(logits),
+                   ws.no_bias if w.selection_bias is None else ops.to_host(w.selection_bias),
                    hp.gating == "sigmoid", hp.n_group, hp.n_group_used, hp.normalize_weights,
                    np.float32(hp.weights_scale), ids, weights)
     if _fast_path(w):
@@ -595,13 +589,13 @@ def moe_forward(h: np.ndarray, w: MoEWeights, hp: MoEHParams, ws: MoEWorkspace,
         w.gate_exps.matmul(hs, ids, gate, record=False)
         w.up_exps.matmul(hs, ids, up, record=False)
         act = gate.reshape(k * n_used, F)
-        kernels.swiglu(act, up.reshape(k * n_used, F), act)
+        ops.swiglu(act, up.reshape(k * n_used, F), act)
         # each (row, slot) has its own input for the down projection: one row per pair
         down = ws.down[:k]
         w.down_exps.matmul(act, ids.reshape(k * n_used, 1), down.reshape(k * n_used, 1, n_embd),
                            record=False)
-        weighted_sum(down, weights, out)
+        ops.weighted_sum(down, ops.asarray(weights), out)
     if w.shared is not None:
         shared = ws.shared_out[:k]
-        feed_forward(hs, w.shared, ws.shared_gate[:k], ws.shared_up[:k], shared)
-        kernels.add_into(out, shared)  # routed + shared, then the caller adds the residual
+        feed_forward(hs, w.shared, ws.shared_gate[:k], ws.shared_up[:k], shared, ops)
+        ops.add_into(out, shared)  # routed + shared, then the caller adds the residual

@@ -326,7 +326,7 @@ class Transformer:
         if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
                   or limits.min() < 1 or limits.max() > cache.n_ctx):
             raise ValueError(f"positions must lie in [0, {cache.n_ctx}) and limits in [1, {cache.n_ctx}]")
-        layers = range(self.hp.n_layer) if layers is None else layers
+        layers = range(self.hp.n_layer) if layers is None else tuple(layers)
         for il in layers:
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")

@@ -199,3 +199,48 @@ def test_run_on_the_device_prints_what_the_cpu_prints(tmp_path):
     twin = eng.clone()
     assert twin.model.weights.layers[0].wq.raw is eng.model.weights.layers[0].wq.raw
     assert twin.cache is not eng.cache and isinstance(twin.cache, DeviceKVCache)
+
+
+# --- glm4moe: the mixture-of-experts block on the device ------------------------------------------
+
+
+def _glm4moe(model_dir, device, fmt):
+    from ds4tools.engine import glm4moe
+    from tests import glm4moe_model as g
+    # a leading dense layer, then a MoE layer (sigmoid scoring, selection bias, normalised and
+    # scaled weights, a shared expert), q/k/v biases, rope over half the head, a NextN layer
+    cfg = g.Glm4MoeConfig(n_vocab=24, n_embd=32, n_layer=2, n_head=2, n_head_kv=1, head_dim=16,
+                          n_rot=8, n_ff=32, n_ff_exp=32, n_expert=4, n_expert_used=2, n_ctx=64)
+    path = model_dir / f"glm4moe-{fmt}.gguf"
+    if not path.exists():
+        w = g.random_weights(cfg, np.random.default_rng(2))
+        types = {n: ("F32" if a.ndim == 1 or "ffn_gate_inp" in n else fmt) for n, a in w.items()}
+        write_gguf(path, g.ARCH, g.metadata(cfg), w, types)
+    f = open_gguf(str(path))
+    hp = glm4moe.read_hparams(f.metadata, n_vocab_tensor=cfg.n_vocab)
+    weights = glm4moe.load_weights(f.tensors, hp, int8="none")
+    return glm4moe.Glm4MoeTransformer(hp, weights, n_ctx=32, chunk=8, device=device), f
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "F16"])
+def test_glm4moe_logits_equal_the_cpu_and_batches_keep_their_bits(model_dir, fmt):
+    cpu, _ = _glm4moe(model_dir, "cpu", fmt)
+    gpu, _ = _glm4moe(model_dir, "cuda", fmt)
+    want = cpu.forward(PROMPT, 0).logits
+    got = gpu.forward(PROMPT, 0).logits
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    gpu.cache.truncate(1)
+    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(PROMPT[1:], 1)])
+    np.testing.assert_array_equal(got[1:].view(np.uint32), single.view(np.uint32))
+
+
+def test_glm4moe_nextn_drafts_on_the_device_are_lossless(model_dir):
+    """--glm-mtp on the device: the model file's NextN layer (attention + experts) drafts."""
+    from ds4tools.engine.speculative.load import mtp_from_nextn
+    gpu, f = _glm4moe(model_dir, "cuda", "Q8_0")
+    drafter = MtpDrafter(gpu, mtp_from_nextn(f, gpu.hp, "none", gpu), max_draft=2)
+    prompt = [3, 4, 5, 6]
+    plain = list(decode(gpu, prompt, 3, Sampler(0.0), np.random.default_rng(0)))
+    spec = list(speculative_decode(gpu, drafter, prompt, 3, Sampler(0.0), np.random.default_rng(0),
+                                   calibrate=False))
+    assert spec == plain

@@ -92,3 +92,26 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         M.matmul("Q8_0", d_raw, cuda.to_device(np.zeros((2, w.shape[1]), np.float64)),
                  cuda.device_array((2, N_OUT), np.float32))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_NL", "F16"])
+def test_expert_matmul_gives_each_pair_its_experts_plain_matmul_bits(name):
+    """The routed experts of a MoE block: pair p = (row p // n_used, slot) reads its own
+    expert; its result equals the dequantized product and, bit for bit, a plain matmul of that
+    row by that expert's matrix."""
+    rng = np.random.default_rng(3)
+    n_expert, n_out, n_in, k, n_used = 3, 5, _n_in(name), 2, 2
+    w = rng.standard_normal((n_expert, n_out, n_in)).astype(np.float32)
+    imatrix = np.ones(n_in, np.float32) if formats.FORMATS[name].requires_imatrix else None
+    raw = np.stack([formats.quantize(w[e], name, imatrix=imatrix) for e in range(n_expert)])
+    dense = np.stack([formats.dequantize(raw[e], name, (n_out, n_in)) for e in range(n_expert)])
+    x = rng.standard_normal((k, n_in)).astype(np.float32)
+    expert = np.array([2, 0, 1, 2], np.int64)
+    out = cuda.device_array((k * n_used, n_out), np.float32)
+    M.expert_matmul(name, cuda.to_device(raw), cuda.to_device(x), cuda.to_device(expert), n_used, out)
+    got = out.copy_to_host()
+    want = np.stack([dense[expert[p]].astype(np.float64) @ x[p // n_used] for p in range(k * n_used)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for p in range(k * n_used):
+        plain = _matmul(name, cuda.to_device(raw[expert[p]]), x[p // n_used:p // n_used + 1])
+        np.testing.assert_array_equal(got[p].view(np.uint32), plain[0].view(np.uint32))

@@ -57,6 +57,7 @@ class CpuBackend:
     add_into = staticmethod(kernels.add_into)
     swiglu = staticmethod(kernels.swiglu)
     rope = staticmethod(kernels.rope)
+    weighted_sum = staticmethod(kernels.weighted_sum)
 
     # --- attention ------------------------------------------------------------------------------
 

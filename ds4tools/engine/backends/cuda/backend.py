@@ -14,6 +14,7 @@ from numba import cuda
 
 from ....formats._numeric import FP16_TO_FP32
 from ...kv_cache import KVCache, KVSnapshot
+from ...moe import ExpertMatrices
 from ...weights import Linear, SharedInput
 from .. import BackendUnavailable
 from . import matmul, ops
@@ -69,6 +70,42 @@ class DeviceLinear:
 
     def __repr__(self) -> str:
         return f"<DeviceLinear {self.name} {self.fmt.name} {self.n_out}x{self.n_in}>"
+
+
+class DeviceExpertMatrices:
+    """ExpertMatrices (a mixture of experts' 3-D tensor of one projection) on the GPU: the
+    routed (row, slot) pairs each read their expert's matrix (``matmul.expert_matmul``)."""
+
+    __slots__ = ("name", "fmt", "n_expert", "n_out", "n_in", "raw", "int8", "n_used", "reads",
+                 "last_read", "kq_kind")
+
+    def __init__(self, m: ExpertMatrices, raw):
+        self.name, self.fmt = m.name, m.fmt
+        self.n_expert, self.n_out, self.n_in, self.n_used = m.n_expert, m.n_out, m.n_in, m.n_used
+        self.raw = raw
+        self.int8 = False
+        self.kq_kind = None  # the CPU's one-call int8 path does not run here
+        self.reads: dict[int, list[int]] = {}
+        self.last_read = 0
+
+    # the read counts a benchmark reads (as ExpertMatrices)
+    nbytes = ExpertMatrices.nbytes
+    expert_nbytes = ExpertMatrices.expert_nbytes
+    record = ExpertMatrices.record
+    reset_reads = ExpertMatrices.reset_reads
+    bytes_per_call = ExpertMatrices.bytes_per_call
+
+    def matmul(self, x, expert_ids: np.ndarray, out, *, record: bool = True):
+        """out[t, j] = x[t] @ W[expert_ids[t, j]].T; x (k, n_in) on the device (or a
+        SharedInput), expert_ids numpy (k, n_used), out (k, n_used, n_out) on the device."""
+        rows = x.x if isinstance(x, SharedInput) else x
+        ids = np.ascontiguousarray(expert_ids, np.int64)
+        if record:
+            self.record(ids.shape[0], int(np.unique(ids).size))
+        n_pairs = ids.size
+        matmul.expert_matmul(self.fmt.name, self.raw, rows, cuda.to_device(ids.reshape(-1)),
+                             ids.shape[1], out.reshape(n_pairs, self.n_out))
+        return out
 
 
 class DeviceKVCache(KVCache):
@@ -166,6 +203,11 @@ class CudaBackend:
                 if key not in uploaded:
                     uploaded[key] = cuda.to_device(value.raw)
                 return DeviceLinear(value, uploaded[key])
+            if isinstance(value, ExpertMatrices):
+                if value.fmt.name not in matmul.SUPPORTED or value.raw.ndim != 3:
+                    raise BackendUnavailable(f"tensor {value.name}: {value.fmt.name} experts have "
+                                             f"no CUDA matmul")
+                return DeviceExpertMatrices(value, cuda.to_device(value.raw))
             if isinstance(value, np.ndarray):
                 return cuda.to_device(np.ascontiguousarray(value))
             if isinstance(value, list):
@@ -184,6 +226,7 @@ class CudaBackend:
     add_into = staticmethod(ops.add_into)
     swiglu = staticmethod(ops.swiglu)
     rope = staticmethod(ops.rope)
+    weighted_sum = staticmethod(ops.weighted_sum)
 
     # --- attention --------------------------------------------------------------------------------
 

@@ -424,6 +424,44 @@ def _build_matmul_kernel(decode, elements_per_item, rows_per_group):
     return kernel
 
 
+def _build_expert_kernel(decode, elements_per_item):
+    # the matmul kernel with groups of one row, where each (row, slot) pair p reads its own
+    # expert's matrix: out[p] = x[p // n_used] @ W[expert[p]].T (blockIdx.y = p)
+    slots = WARP if config.ENABLE_CUDASIM else 1
+
+    @cuda.jit
+    def kernel(raw3, x, expert, n_used, out, fp16_table, table_a, table_b, w_rows_per_warp):
+        lane_sums = cuda.shared.array((2, WARPS_PER_BLOCK, slots, WARP + 1), float32)
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        pair = cuda.blockIdx.y
+        raw = raw3[expert[pair]]
+        x_row = pair // n_used
+        n_rows = raw.shape[0]
+        rows_per_round = cuda.gridDim.x * WARPS_PER_BLOCK * w_rows_per_warp
+        acc = cuda.local.array(1, float32)
+        buf = 0
+        for round_start in range(0, n_rows, rows_per_round):
+            warp_first = round_start + (cuda.blockIdx.x * WARPS_PER_BLOCK + warp) * w_rows_per_warp
+            for j in range(w_rows_per_warp):
+                row = warp_first + j
+                acc[0] = float32(0.0)
+                if row < n_rows:
+                    for item in range(lane, x.shape[1] // elements_per_item, WARP):
+                        decode(raw, row, item, fp16_table, table_a, table_b, x, x_row, acc)
+                lane_sums[buf, warp, j, lane] = acc[0]
+            cuda.syncthreads()
+            if lane < w_rows_per_warp:
+                row = warp_first + lane
+                if row < n_rows:
+                    total = lane_sums[buf, warp, lane, 0]
+                    for other in range(1, WARP):
+                        total += lane_sums[buf, warp, lane, other]
+                    out[pair, row] = total
+            buf = 1 - buf
+    return kernel
+
+
 def _build_dequantize_kernel(decode, elements_per_item):
     @cuda.jit
     def kernel(raw, ids, out, fp16_table, table_a, table_b):
@@ -438,13 +476,22 @@ def _build_dequantize_kernel(decode, elements_per_item):
 
 
 class _FormatKernels:
-    __slots__ = ("factory", "_matmul", "dequantize", "elements_per_item", "view_dtype", "tables")
+    __slots__ = ("factory", "_matmul", "_experts", "dequantize", "elements_per_item", "view_dtype",
+                 "tables")
 
     def __init__(self, name):
         self.factory, self.elements_per_item, self.view_dtype = _DECODERS[name]
         self._matmul = {}
+        self._experts = None
         self.dequantize = _build_dequantize_kernel(self.factory(_store_weight), self.elements_per_item)
         self.tables = _device_tables(name)
+
+    def experts(self):
+        """The per-pair expert kernel (built on first use)."""
+        if self._experts is None:
+            self._experts = _build_expert_kernel(self.factory(_accumulate_into_group(1)),
+                                                 self.elements_per_item)
+        return self._experts
 
     def matmul(self, rows_per_group: int):
         """The matmul kernel for groups of ``rows_per_group`` rows (built on first use)."""
@@ -544,6 +591,37 @@ def matmul(fmt_name: str, raw, x, out) -> None:
     blocks = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, (k + group - 1) // group)
     kernels.matmul(group)[blocks, _MATMUL_THREADS](weights, x, out, *kernels.tables,
                                                     w_rows_per_warp)
+
+
+def expert_matmul(fmt_name: str, raw3, x, expert, n_used: int, out) -> None:
+    """out[p] = x[p // n_used] @ W[expert[p]].T for every (row, slot) pair p: the routed
+    experts of a mixture-of-experts block. raw3: device uint8 (n_expert, n_out, row_bytes);
+    x: device float32 (k, n_in); expert: device int64 (k * n_used,) (not bounds-checked);
+    out: device float32 (k * n_used, n_out). A pair gets the bits a plain ``matmul`` of its row
+    by its expert's matrix gives (the same decoder, lanes and order). One asynchronous launch."""
+    kernels = _kernels(fmt_name)
+    x, out, expert = _device_array(x), _device_array(out), _device_array(expert)
+    _check_dtype(x, np.float32, "x")
+    _check_dtype(out, np.float32, "out")
+    _check_dtype(expert, np.int64, "expert")
+    raw3 = _device_array(raw3)
+    _check_dtype(raw3, np.uint8, "raw3")
+    n_pairs, n_in = expert.shape[0], x.shape[1]
+    if raw3.ndim != 3 or tuple(raw3.shape[1:]) != byte_shape((raw3.shape[1], n_in), fmt_name):
+        raise ValueError(f"raw3 has shape {tuple(raw3.shape)}, expected (n_expert,) + {fmt_name} "
+                         f"bytes of rows of {n_in}")
+    n_out = raw3.shape[1]
+    if x.ndim != 2 or n_pairs != x.shape[0] * n_used or tuple(out.shape) != (n_pairs, n_out):
+        raise ValueError(f"x {tuple(x.shape)}, expert {tuple(expert.shape)} and out "
+                         f"{tuple(out.shape)} do not fit {n_used} experts per row of {n_out}")
+    if n_pairs == 0 or n_out == 0:
+        return
+    weights = raw3 if kernels.view_dtype is None else raw3.view(kernels.view_dtype)
+    w_rows_per_warp = WARP if config.ENABLE_CUDASIM else 1
+    warps = min((n_out + w_rows_per_warp - 1) // w_rows_per_warp, MAX_WARPS)
+    blocks = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_pairs)
+    kernels.experts()[blocks, _MATMUL_THREADS](weights, x, expert, n_used, out, *kernels.tables,
+                                               w_rows_per_warp)
 
 
 def dequantize_rows(fmt_name: str, raw, ids, out) -> None:

@@ -290,6 +290,27 @@ def store_kv_f16(cache_k, cache_v, k_rows, v_rows, positions):
                                           v_rows.view(np.uint32), positions)
 
 
+@cuda.jit
+def _weighted_sum_kernel(expert_out, weights, out):
+    t, i = cuda.grid(2)
+    if t < out.shape[0] and i < out.shape[1]:
+        acc = expert_out[t, 0, i] * weights[t, 0]
+        for j in range(1, expert_out.shape[1]):  # the slots in rank order, as the CPU
+            acc = acc + expert_out[t, j, i] * weights[t, j]
+        out[t, i] = acc
+
+
+def weighted_sum(expert_out, weights, out):
+    """out[t] = sum_j weights[t, j] * expert_out[t, j] (k, n_slots, n), the slots added in
+    order: a mixture of experts' routed output. One thread per output element."""
+    k, n = out.shape
+    if k * n == 0:
+        return
+    threads = (1, ELEMENT_THREADS)
+    _weighted_sum_kernel[(k, (n + ELEMENT_THREADS - 1) // ELEMENT_THREADS), threads](
+        expert_out, weights, out)
+
+
 # --- attention ---------------------------------------------------------------------------------
 
 
