@@ -73,3 +73,30 @@ def test_speculative_greedy_equals_plain(model_dir):
     spec = list(speculative_decode(gpu, PromptLookupDrafter(4), prompt, 24, Sampler(0.0),
                                    np.random.default_rng(0), calibrate=False))
     assert spec == plain
+
+
+def _glm4moe(model_dir, device):
+    from ds4tools.engine import glm4moe
+    from tests import glm4moe_model as g
+    cfg = g.Glm4MoeConfig(n_vocab=4096, n_embd=1024, n_layer=3, n_head=16, n_head_kv=4,
+                          head_dim=64, n_rot=32, n_ff=2816, n_ff_exp=512, n_expert=16,
+                          n_expert_used=4, n_ctx=256)
+    path = model_dir / "glm4moe-q4_k.gguf"
+    if not path.exists():
+        w = g.random_weights(cfg, np.random.default_rng(2))
+        types = {n: ("F32" if a.ndim == 1 or "ffn_gate_inp" in n else "Q4_K") for n, a in w.items()}
+        write_gguf(path, g.ARCH, g.metadata(cfg), w, types)
+    f = open_gguf(str(path))
+    hp = glm4moe.read_hparams(f.metadata, n_vocab_tensor=cfg.n_vocab)
+    return glm4moe.Glm4MoeTransformer(hp, glm4moe.load_weights(f.tensors, hp, int8="none"),
+                                      n_ctx=128, device=device)
+
+
+def test_glm4moe_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
+    want = _glm4moe(model_dir, "cpu").forward(TOKENS, 0).logits
+    gpu = _glm4moe(model_dir, "cuda")
+    got = gpu.forward(TOKENS, 0).logits
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    gpu.cache.truncate(8)
+    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[8:16], 8)])
+    np.testing.assert_array_equal(got[8:16].view(np.uint32), single.view(np.uint32))
