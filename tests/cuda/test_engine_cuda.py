@@ -158,13 +158,13 @@ def test_model_drafters_on_the_device_are_lossless_and_match_the_cpu(model_dir, 
             return MtpDrafter(model, _mtp_weights(model_dir, cpu), max_draft=2)
         return DSparkDrafter(model, _dspark_weights(model_dir, cpu, True), confidence=0.0)
     prompt = [3, 4, 5, 6]
-    plain = list(decode(gpu, prompt, 4, Sampler(0.0), np.random.default_rng(0)))
+    plain = list(decode(gpu, prompt, 3, Sampler(0.0), np.random.default_rng(0)))
     runs = {}
     for name, model in (("cuda", gpu), ("cpu", cpu)):
         d = make(model)
         proposals = []
         d.propose = (lambda f: lambda *a: proposals.append(f(*a)) or proposals[-1])(d.propose)
-        runs[name] = (list(speculative_decode(model, d, prompt, 4, Sampler(0.0),
+        runs[name] = (list(speculative_decode(model, d, prompt, 3, Sampler(0.0),
                                               np.random.default_rng(0), calibrate=False)),
                       [p.tokens for p in proposals])
     assert runs["cuda"][0] == plain
@@ -222,7 +222,7 @@ def _glm4moe(model_dir, device, fmt):
     return glm4moe.Glm4MoeTransformer(hp, weights, n_ctx=32, chunk=8, device=device), f
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "F16"])
+@pytest.mark.parametrize("fmt", ["Q8_0"])
 def test_glm4moe_logits_equal_the_cpu_and_batches_keep_their_bits(model_dir, fmt):
     cpu, _ = _glm4moe(model_dir, "cpu", fmt)
     gpu, _ = _glm4moe(model_dir, "cuda", fmt)
@@ -240,7 +240,7 @@ def test_glm4moe_nextn_drafts_on_the_device_are_lossless(model_dir):
     gpu, f = _glm4moe(model_dir, "cuda", "Q8_0")
     drafter = MtpDrafter(gpu, mtp_from_nextn(f, gpu.hp, "none", gpu), max_draft=2)
     prompt = [3, 4, 5, 6]
-    plain = list(decode(gpu, prompt, 3, Sampler(0.0), np.random.default_rng(0)))
-    spec = list(speculative_decode(gpu, drafter, prompt, 3, Sampler(0.0), np.random.default_rng(0),
+    plain = list(decode(gpu, prompt, 2, Sampler(0.0), np.random.default_rng(0)))
+    spec = list(speculative_decode(gpu, drafter, prompt, 2, Sampler(0.0), np.random.default_rng(0),
                                    calibrate=False))
     assert spec == plain
