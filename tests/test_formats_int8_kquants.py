@@ -239,3 +239,23 @@ def test_int8_matmul_long_batches_match_single_tokens(name):
     for t in (0, 31, 32, 33, 63, 64, 69):
         np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t], int8=True), full[t])
     np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[30:67], int8=True), full[30:67])
+
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_int8_natural_kernels_bit_identical(name, monkeypatch):
+    """The stored-order kernels (_kquant_avx2: a few tokens on AVX2 hosts without VNNI; the
+    generic IR elsewhere when switched on) give the group-layout kernels' bits for k = 1..4."""
+    from ds4tools.formats import kquants
+    n_in = 256 * 5  # an odd number of super-blocks: Q4_K's and Q5_K's last pair is half empty
+    w, raw, x = _case(name, n_in, 31)
+    monkeypatch.setattr(kquants, "NATURAL_FEW", False)
+    full = formats.matmul(raw, name, w.shape, x, int8=True)  # 17 tokens: the tiles
+    few = {k: formats.matmul(raw, name, w.shape, x[:k], int8=True) for k in (1, 2, 3, 4)}
+    monkeypatch.setattr(kquants, "NATURAL_TOKENS", (4,) * 5)
+    monkeypatch.setattr(kquants, "NATURAL_FEW", True)
+    for t0, k in ((0, 1), (9, 1), (3, 2), (8, 3), (5, 4), (0, 4)):
+        np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t0:t0 + k], int8=True),
+                                      full[t0:t0 + k], err_msg=f"k={k} t0={t0}")
+    for k, ref in few.items():  # the group kernels of few tokens agree too
+        np.testing.assert_array_equal(ref, full[:k])

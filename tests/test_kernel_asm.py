@@ -21,3 +21,14 @@ def test_int8_hot_loop_is_packed_simd(name):
     counts = instruction_counts(kernel_assembly(formats.FORMATS[name], parallel=False))
     packed = {op: n for op, n in counts.items() if op in PACKED_DOT}
     assert packed, f"{name}: no packed integer dot instruction in its kernel ({dict(counts)})"
+
+
+def test_few_token_k_quant_kernel_is_avx2_packed_simd():
+    """The K-quants' stored-order kernel (decoding steps on AVX2 hosts without VNNI) runs on
+    vpmaddubsw + vpmaddwd."""
+    from ds4tools.formats import kquants
+    if not kquants.NATURAL_FEW:
+        pytest.skip("the stored-order K kernels run on AVX2 hosts without AVX-512 VNNI only")
+    counts = instruction_counts(kernel_assembly(formats.FORMATS["Q6_K"], parallel=False,
+                                                attr="q8_kernel_few"))
+    assert counts["vpmaddubsw"] and counts["vpmaddwd"], dict(counts)

@@ -786,10 +786,10 @@ def _attend_tile(q, h, nq, t0, t1, keys, values, g, kt, limits, scale, s, acc, t
                 o[i] = (even[i] + odd[i]) * iv
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _attention_tiles(q, keys, values, limits, scale, out):
-    # jobs: (kv head, _TILE_ROWS query rows, pair of query heads), kv head major, in up to
-    # _JOB_BLOCKS contiguous runs (each with its scratch); the split never changes a job
+@njit(cache=True, error_model="numpy")
+def _attention_run(q, keys, values, limits, scale, out, kt, cols, blk, n_blocks):
+    """Run ``blk`` of ``n_blocks`` of the jobs (kv head, _TILE_ROWS query rows, pair of query
+    heads), kv head major, with its own scratch; the split never changes a job."""
     k, n_head, hd = q.shape
     n_kv = keys.shape[0]
     group = n_head // n_kv
@@ -798,6 +798,34 @@ def _attention_tiles(q, keys, values, limits, scale, out):
     n_tiles = (k + rows - 1) // rows
     per_g = n_tiles * pairs
     n_jobs = n_kv * per_g
+    nb = (limits.max() + 15) // 16
+    no_kt = np.empty((0, hd, 16), np.float32)
+    # the scratch in one allocation: score rows (padded by 16: a power-of-two stride maps them
+    # to few L1 sets), accumulators, 1 / totals, a zero padded key block
+    w = 16 * nb + 16
+    n_s, n_acc = 2 * rows * w, 4 * rows * hd
+    buf = np.empty(n_s + n_acc + 2 * rows + 16 * hd, np.float32)
+    s = buf[:n_s].reshape(2 * rows, w)
+    acc = buf[n_s:n_s + n_acc].reshape(2 * rows, 2 * hd)
+    inv = buf[n_s + n_acc:n_s + n_acc + 2 * rows]
+    tail = buf[n_s + n_acc + 2 * rows:].reshape(1, 16, hd)
+    for job in range(blk * n_jobs // n_blocks, (blk + 1) * n_jobs // n_blocks):
+        g = job // per_g
+        rest = job - g * per_g
+        tile = rest // pairs
+        pr = rest - tile * pairs
+        _attend_tile(q, g * group + 2 * pr, min(2, group - 2 * pr), tile * rows,
+                     min(k, tile * rows + rows), keys, values, g, kt[g] if cols else no_kt,
+                     limits, scale, s, acc, tail, inv, out)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _attention_tiles(q, keys, values, limits, scale, out):
+    # the jobs in up to _JOB_BLOCKS contiguous runs shared out to the threads
+    k, n_head, hd = q.shape
+    n_kv = keys.shape[0]
+    group = n_head // n_kv
+    n_jobs = n_kv * ((k + min(k, _TILE_ROWS) - 1) // min(k, _TILE_ROWS)) * ((group + 1) // 2)
     n_src = limits.max()
     nb = (n_src + 15) // 16
     cols = k >= _COLS_FROM and (hd == 64 or hd == 128)
@@ -805,26 +833,19 @@ def _attention_tiles(q, keys, values, limits, scale, out):
     if cols:
         for g in prange(n_kv):
             _transpose_keys(keys, g, n_src, kt[g], np.empty((1, 16, hd), np.float32))
-    no_kt = np.empty((0, hd, 16), np.float32)
     n_blocks = max(1, min(n_jobs, _JOB_BLOCKS, limits.sum() * n_head // _BLOCK_PAIRS))
-    # a run's scratch in one allocation: score rows (padded by 16: a power-of-two stride maps
-    # them to few L1 sets), accumulators, 1 / totals, a zero padded key block
-    w = 16 * nb + 16
-    n_s, n_acc = 2 * rows * w, 4 * rows * hd
     for blk in prange(n_blocks):
-        buf = np.empty(n_s + n_acc + 2 * rows + 16 * hd, np.float32)
-        s = buf[:n_s].reshape(2 * rows, w)
-        acc = buf[n_s:n_s + n_acc].reshape(2 * rows, 2 * hd)
-        inv = buf[n_s + n_acc:n_s + n_acc + 2 * rows]
-        tail = buf[n_s + n_acc + 2 * rows:].reshape(1, 16, hd)
-        for job in range(blk * n_jobs // n_blocks, (blk + 1) * n_jobs // n_blocks):
-            g = job // per_g
-            rest = job - g * per_g
-            tile = rest // pairs
-            pr = rest - tile * pairs
-            _attend_tile(q, g * group + 2 * pr, min(2, group - 2 * pr), tile * rows,
-                         min(k, tile * rows + rows), keys, values, g, kt[g] if cols else no_kt,
-                         limits, scale, s, acc, tail, inv, out)
+        _attention_run(q, keys, values, limits, scale, out, kt, cols, blk, n_blocks)
+
+
+@njit(cache=True, error_model="numpy")
+def _attention_serial(q, keys, values, limits, scale, out):
+    """_attention_tiles' jobs on the calling thread, for batches below _COLS_FROM rows and
+    _BLOCK_PAIRS query-key pairs (one run of jobs there): a decoding step's row over a short
+    context, where entering a parallel region cost as much as the work (35 against 18 us for
+    16 heads over 80 rows, Zen 3)."""
+    kt = np.empty((0, 1, q.shape[2], 16), np.float32)
+    _attention_run(q, keys, values, limits, scale, out, kt, False, 0, 1)
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
@@ -879,6 +900,9 @@ def attention_f32(q, cache_k, cache_v, limits, scale, out):
     sees cache rows [0, limits[t]). Head h reads kv head h // (n_head // n_kv_head) (GQA)."""
     if q.shape[2] % 16:
         _attention_scalar(q, cache_k, cache_v, limits, scale, out)
+    elif q.shape[0] < _COLS_FROM and limits.sum() * q.shape[1] < _BLOCK_PAIRS:
+        _attention_serial(np.ascontiguousarray(q), np.ascontiguousarray(cache_k),
+                          np.ascontiguousarray(cache_v), limits, np.float32(scale), out)
     else:  # (the vector kernels address C-contiguous arrays: copies only if these are not)
         _attention_tiles(np.ascontiguousarray(q), np.ascontiguousarray(cache_k),
                          np.ascontiguousarray(cache_v), limits, np.float32(scale), out)

@@ -99,6 +99,12 @@ def host_features(context):
     return frozenset(f[1:] for f in feats if f.startswith("+"))
 
 
+def host_cpu_features():
+    """host_features of numba's CPU target, outside a compilation (for dispatch in Python)."""
+    from numba.core.registry import cpu_target
+    return host_features(cpu_target.target_context)
+
+
 def intrinsic_fn(builder, name, ret, args):
     """The declaration of LLVM function ``name`` in the builder's module (added once)."""
     mod = builder.module

@@ -28,18 +28,22 @@ def _exercise(fmt) -> None:
     w = rng.standard_normal((8, n_in)).astype(np.float32)
     imatrix = np.ones(n_in, np.float32) if fmt.requires_imatrix else None
     raw = quantize(w, fmt.name, imatrix=imatrix)
-    matmul(raw, fmt.name, w.shape, rng.standard_normal((2, n_in)).astype(np.float32), int8=True)
+    for k in (1, 2):
+        matmul(raw, fmt.name, w.shape, rng.standard_normal((k, n_in)).astype(np.float32), int8=True)
 
 
-def kernel_assembly(fmt, parallel: bool = True) -> str:
-    """The machine code (AT&T syntax, as LLVM prints it) of ``fmt.q8_kernel`` for this host.
-    ``parallel=False`` compiles the same loops without numba's parallel outlining: the hot
-    loops vectorize alike (the same packed-dot counts) for a third of the compile time."""
-    kernel = getattr(fmt, "q8_kernel", None)
+def kernel_assembly(fmt, parallel: bool = True, attr: str = "q8_kernel") -> str:
+    """The machine code (AT&T syntax, as LLVM prints it) of ``fmt.q8_kernel`` (or the kernel
+    ``attr`` names, e.g. ``q8_kernel_few``) for this host. ``parallel=False`` compiles the same
+    loops without numba's parallel outlining: the hot loops vectorize alike (the same packed-dot
+    counts) for a third of the compile time."""
+    kernel = getattr(fmt, attr, None)
     if kernel is None:
-        raise TypeError(f"format {fmt.name} names no q8_kernel")
+        raise TypeError(f"format {fmt.name} names no {attr}")
     if not kernel.signatures:
         _exercise(fmt)
+    if not kernel.signatures:
+        raise RuntimeError(f"format {fmt.name}: {attr} does not run on this host")
     options = {k: v for k, v in kernel.targetoptions.items() if k not in ("cache", "nopython")}
     if not parallel:
         options["parallel"] = False

@@ -32,6 +32,10 @@ from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_A
                        KPAIR_BYTES,
                        K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
                        UNPACK_K_Q5_K, UNPACK_K_Q6_K)
+from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NATURAL_K1_Q5_K,
+                           NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
+                           NATURAL_K2_Q5_K, NATURAL_K2_Q6_K)
+from ._llvm_ir import host_cpu_features
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
                       from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
@@ -760,26 +764,45 @@ def _prep_act_k(q, d, sums, shift, xq, dx, dxs):
 
 
 @njit(cache=True, error_model="numpy")
-def _prep_act_k_pair(q, d, sums, xq, dx, dxs, grouped):
-    # Q8_K activations for Q4_K / Q5_K: d on its super-block's 8 lanes of the pair group in dx
-    # and d * (the sub-block of 32's sum) in dxs, an odd last super-block's missing half zeros;
-    # xq in the K pair layout (value 32j + 4c + e of super-block 2p + s at byte
-    # 512p + 64c + 4(8s + j) + e) for the tiles, or with ``grouped`` in the K group layout of
-    # _prep_act_k (the fused kernels of few tokens add a pair's sums from it).
-    k, n = q.shape
-    nsb = n // QK_K
+def _prep_scales_k_pair(d, sums, dx, dxs):
+    # Q8_K scales for the Q4_K / Q5_K kernels: d on its super-block's 8 lanes of the pair group
+    # in dx and d * (the sub-block of 32's sum) in dxs, an odd last super-block's half zeros
+    k, nsb = d.shape
     for t in range(k):
         if nsb % 2:
             dx[t, 16 * (nsb // 2) + 8:] = 0
             dxs[t, 16 * (nsb // 2) + 8:] = 0
-            if not grouped:
-                xq[t, KPAIR_BYTES * (nsb // 2):] = 0
         for g in range(nsb):
             lane = 16 * (g // 2) + 8 * (g % 2)
             for j in range(8):
                 dx[t, lane + j] = d[t, g]
                 dxs[t, lane + j] = d[t, g] * np.float32(np.int32(sums[t, 16 * g + 2 * j])
                                                         + np.int32(sums[t, 16 * g + 2 * j + 1]))
+
+
+@njit(cache=True, error_model="numpy")
+def _prep_dxs(d, sums, dxs):
+    # d * bsum per sub-block of 16 (the affine formats' offsets), as _prep_act_k writes it
+    k, nsb = d.shape
+    for t in range(k):
+        for g in range(nsb):
+            for i in range(16):
+                dxs[t, 16 * g + i] = d[t, g] * np.float32(sums[t, 16 * g + i])
+
+
+@njit(cache=True, error_model="numpy")
+def _prep_act_k_pair(q, d, sums, xq, dx, dxs, grouped):
+    # Q8_K activations for Q4_K / Q5_K: dx, dxs as _prep_scales_k_pair; xq in the K pair layout
+    # (value 32j + 4c + e of super-block 2p + s at byte 512p + 64c + 4(8s + j) + e) for the
+    # tiles, or with ``grouped`` in the K group layout of _prep_act_k (the fused kernels of few
+    # tokens add a pair's sums from it).
+    k, n = q.shape
+    nsb = n // QK_K
+    _prep_scales_k_pair(d, sums, dx, dxs)
+    for t in range(k):
+        if nsb % 2 and not grouped:
+            xq[t, KPAIR_BYTES * (nsb // 2):] = 0
+        for g in range(nsb):
             if grouped:
                 for i in range(16):
                     for c in range(4):
@@ -821,6 +844,80 @@ def _fused_k2(kind, raw, lut, xq, dx, dxs, tok, r0):
     elif kind == 3:
         return FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
     return FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
+
+
+@njit(cache=True)
+def _natural_k1(kind, raw, lut, x, sums, dx, dxs, tok, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return NATURAL_K1_Q2_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 1:
+        return NATURAL_K1_Q3_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 2:
+        return NATURAL_K1_Q4_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 3:
+        return NATURAL_K1_Q5_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    return NATURAL_K1_Q6_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+
+
+@njit(cache=True)
+def _natural_k2(kind, raw, lut, x, sums, dx, dxs, tok, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return NATURAL_K2_Q2_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 1:
+        return NATURAL_K2_Q3_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 2:
+        return NATURAL_K2_Q4_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    elif kind == 3:
+        return NATURAL_K2_Q5_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+    return NATURAL_K2_Q6_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
+    """out[t, r] for a few tokens (k <= NATURAL_TOKENS[kind]) with _kquant_avx2's kernels
+    (quants in their stored order; the same bits as _matmul_q8_kg): 4 rows x 2 tokens per call
+    (1 for an odd last token), the 4 rows in L1 for the next pair, _QK_ROWS_PER_TASK rows per
+    task."""
+    n_out = raw.shape[0]
+    k, n = x.shape
+    # dx, dxs as the group kernels take them (one call: a decoding step makes hundreds)
+    if K_PAIRED[kind]:
+        n_pairs = (n // QK_K + 1) // 2
+        dx = np.empty((k, 16 * n_pairs), np.float32)
+        dxs = np.empty((k, 16 * n_pairs), np.float32)
+        _prep_scales_k_pair(d, sums, dx, dxs)
+    else:
+        dx = d
+        dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
+        if K_AFFINE[kind]:
+            _prep_dxs(d, sums, dxs)
+    R = K_TILE_ROWS
+    n_tiles = (n_out + R - 1) // R
+    per_task = _QK_ROWS_PER_TASK // R
+    for c in prange((n_tiles + per_task - 1) // per_task):
+        for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
+            r0 = R * tile
+            for t in range(0, k - 1, 2):
+                v = _natural_k2(kind, raw, lut, x, sums, dx, dxs, t, r0)
+                for i in range(min(R, n_out - r0)):
+                    out[t, r0 + i] = v[2 * i]
+                    out[t + 1, r0 + i] = v[2 * i + 1]
+            if k % 2:
+                v = _natural_k1(kind, raw, lut, x, sums, dx, dxs, k - 1, r0)
+                for i in range(min(R, n_out - r0)):
+                    out[k - 1, r0 + i] = v[i]
+
+
+#: a few tokens take _kquant_avx2's kernels where the CPU has AVX2 but not AVX-512 VNNI (with
+#: VNNI the group layout costs one word permutation per chunk and one vpdpbusd per 64 bytes, and
+#: stays faster); tests switch it to compare both
+NATURAL_FEW = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
+#: up to how many tokens, per kind (Zen 3, 1 and 2 threads, 2816x1024 / 1024x2816 from L3:
+#: 1.1-2.3x the group-layout kernels at k = 1; at k = 2 and 4 Q4_K's 0.86-0.92x, where its
+#: sums of 32 cost one reduction network per token, the others 1.0-1.6x)
+NATURAL_TOKENS = (4, 4, 1, 1, 4)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -900,6 +997,9 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
     k, n = act.q.shape
+    if 0 < k <= NATURAL_TOKENS[kind] and NATURAL_FEW:
+        _matmul_q8_k_natural(kind, raw, FP16_TO_FP32, act.q, act.d, act.sums, out)
+        return
     if K_PAIRED[kind]:
         n_pairs = (n // QK_K + 1) // 2
         grouped = k <= _QK_FUSED_TOKENS  # the fused kernels read x in the group layout
@@ -942,6 +1042,8 @@ class _KQuant(QuantFormat):
     act_type = "Q8_K"
     #: the int8 path's numba kernel (for the assembly checks)
     q8_kernel = _matmul_q8_kg
+    #: the kernel of a few tokens on AVX2 hosts without VNNI (NATURAL_FEW)
+    q8_kernel_few = _matmul_q8_k_natural
 
     def _cpu_matmul_q8(self, raw, act, out):
         _cpu_matmul_q8_k(self.kind, raw, act, out)
