@@ -398,12 +398,32 @@ def _pair_sums(builder, a, b):
                        builder.shuffle_vector(a, b, _mask(range(1, 32, 2))))
 
 
+def _signed_dot_chunk(builder, w, x):
+    """<16 x i32>: lane i = the sum of the 4 products w[4i+e] * x[4i+e] of signed bytes (AVX2:
+    vpmaddubsw(|w|, x * sign(w)), exact while x >= -127, as ggml's Q8_0 activations are)."""
+    v32i8, v16i16, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+    psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+    ones = ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16)
+    halves = []
+    for h in range(2):
+        sel = _mask(range(32 * h, 32 * h + 32))
+        wh, xh = builder.shuffle_vector(w, w, sel), builder.shuffle_vector(x, x, sel)
+        halves.append(builder.call(maddwd, [builder.call(maddubs, [builder.call(psign, [wh, wh]),
+                                                                    builder.call(psign, [xh, wh])]),
+                                            ones]))
+    return builder.shuffle_vector(halves[0], halves[1], _mask(range(16)))
+
+
 def _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv):
     """Q8_0's group g of the raw row at rp dotted with activations in their natural order
     (xv: per token the 8 <64 x i8> of the group, blocks 2v, 2v + 1 in vector v), without
     the group layout's transpose: per vector v the two blocks' quants (two 32-byte loads)
     + 128, one chunk dot (8 lanes per block), then 3 levels of pair sums put block i's exact
-    sum in lane i. Returns ([<16 x i32> per token], dw)."""
+    sum in lane i. Returns ([<16 x i32> per token], dw). On the "avx2-sign" route the signed
+    quants are dotted as they are (_signed_dot_chunk): the sums then carry no offset, and the
+    caller subtracts none."""
     ts = 34
     v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
     v64i8 = ir.VectorType(_I8, 64)
@@ -414,9 +434,12 @@ def _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv):
     for v in range(GROUP_CHUNKS):
         lo = _load(builder, rp, builder.add(offs[2 * v], _const(2)), v8i32)
         hi = _load(builder, rp, builder.add(offs[2 * v + 1], _const(2)), v8i32)
-        u = builder.xor(builder.shuffle_vector(lo, hi, _mask(range(16))),
-                        _splat(0x80808080, _I32))
-        u = builder.bitcast(u, v64i8)
+        w = builder.shuffle_vector(lo, hi, _mask(range(16)))
+        if route == "avx2-sign":  # the signed quants as they are: no offset to remove
+            for t, x in enumerate(xv):
+                parts[t].append(_signed_dot_chunk(builder, builder.bitcast(w, v64i8), x[v]))
+            continue
+        u = builder.bitcast(builder.xor(w, _splat(0x80808080, _I32)), v64i8)
         for t, x in enumerate(xv):
             parts[t].append(_dot_chunk(builder, zero, u, x[v], route))
     sums = []
@@ -552,7 +575,8 @@ def _make_fused(kind, n_rows, n_toks):
                             isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
                             for c in range(GROUP_CHUNKS):
                                 isum = _dot_chunk(builder, isum, uv[c], xv[t][c], route)
-                        s_ = isum if affine or iq2 else builder.sub(isum, corr[t])
+                        exact = affine or iq2 or (kind == 4 and route == "avx2-sign")
+                        s_ = isum if exact else builder.sub(isum, corr[t])
                         scale = builder.fmul(dwv, dxv[t])
                         acc = accs[i * n_toks + t]
                         acc = builder.fadd(acc, builder.fmul(builder.sitofp(s_, v16f), scale))
