@@ -94,6 +94,16 @@ def _route(context, small):
     return "generic"
 
 
+def _avx2_fns(builder):
+    """AVX2's vpmaddubsw, vpmaddwd and vpsignb (256-bit) and the int16 ones vpmaddwd sums
+    pairs with."""
+    v32i8, v16i16, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    return (_intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8]),
+            _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16]),
+            _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8]),
+            ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16))
+
+
 def _dot_chunk(builder, acc, u, x, route):
     """acc (16 x i32) + per lane i the sum of the 4 products u[4i+e] * x[4i+e] (u unsigned,
     x signed bytes, <64 x i8>)."""
@@ -104,11 +114,7 @@ def _dot_chunk(builder, acc, u, x, route):
         fn = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16i32, [v16i32] * 3)
         return builder.call(fn, [acc, builder.bitcast(u, v16i32), builder.bitcast(x, v16i32)])
     if route == "avx2":
-        v32i8, v16i16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
-        v8i32 = ir.VectorType(_I32, 8)
-        maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-        ones = ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16)
+        maddubs, maddwd, _, ones = _avx2_fns(builder)
         halves = []
         for h in range(2):
             sel = _mask(range(32 * h, 32 * h + 32))
@@ -121,12 +127,8 @@ def _dot_chunk(builder, acc, u, x, route):
         # vpmaddubsw(|q|, x * sign(q)), which stays within int16 while x >= -127 (ggml's
         # activation quantizers give -127..127), then add back 128 * the lane's sum of x:
         # the integer dot of u and x exactly, as the other routes
-        v32i8, v16i16 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16)
-        v8i32 = ir.VectorType(_I32, 8)
-        maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-        maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-        psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
-        ones = ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16)
+        v32i8, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8)
+        maddubs, maddwd, psign, ones = _avx2_fns(builder)
         ones8 = ir.Constant(v32i8, [ir.Constant(_I8, 1)] * 32)
         top = ir.Constant(v32i8, [ir.Constant(_I8, -128)] * 32)
         seven = ir.Constant(v8i32, [ir.Constant(_I32, 7)] * 8)
@@ -401,11 +403,7 @@ def _pair_sums(builder, a, b):
 def _signed_dot_chunk(builder, w, x):
     """<16 x i32>: lane i = the sum of the 4 products w[4i+e] * x[4i+e] of signed bytes (AVX2:
     vpmaddubsw(|w|, x * sign(w)), exact while x >= -127, as ggml's Q8_0 activations are)."""
-    v32i8, v16i16, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    maddubs = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-    maddwd = _intrinsic_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-    psign = _intrinsic_fn(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
-    ones = ir.Constant(v16i16, [ir.Constant(_I16, 1)] * 16)
+    maddubs, maddwd, psign, ones = _avx2_fns(builder)
     halves = []
     for h in range(2):
         sel = _mask(range(32 * h, 32 * h + 32))

@@ -32,7 +32,7 @@ from . import _int8dot
 from ._llvm_ir import (F32, I8, I16, I32, I64, as_i64, const, host_features, intrinsic_fn,
                        load, loop, mask, pick, row_ptr, splat, splat_const, tree_sum_f32, vec)
 
-V32I8, V16I8, V16I16 = vec(I8, 32), vec(I8, 16), vec(I16, 16)
+V32I8, V16I8 = vec(I8, 32), vec(I8, 16)
 V8I32, V16I32, V16F = vec(I32, 8), vec(I32, 16), vec(F32, 16)
 
 TYPE_SIZE = (84, 110, 144, 176, 210)
@@ -48,9 +48,8 @@ def uses_avx2(context) -> bool:
 def _dot32(b, q, x, avx2):
     """<8 x i32>: lane l = sum of q[4l + e] * x[4l + e], q unsigned and x signed <32 x i8>."""
     if avx2:
-        maddubs = intrinsic_fn(b, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [V32I8, V32I8])
-        maddwd = intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", V8I32, [V16I16, V16I16])
-        return b.call(maddwd, [b.call(maddubs, [q, x]), splat_const(1, I16, 16)])
+        maddubs, maddwd, _, ones = _int8dot._avx2_fns(b)
+        return b.call(maddwd, [b.call(maddubs, [q, x]), ones])
     v32i32 = vec(I32, 32)
     p = b.mul(b.zext(q, v32i32), b.sext(x, v32i32))
     p = b.add(pick(b, p, range(0, 32, 2)), pick(b, p, range(1, 32, 2)))
