@@ -28,7 +28,8 @@ def _exercise(fmt) -> None:
     w = rng.standard_normal((8, n_in)).astype(np.float32)
     imatrix = np.ones(n_in, np.float32) if fmt.requires_imatrix else None
     raw = quantize(w, fmt.name, imatrix=imatrix)
-    for k in (1, 2):
+    # 8 tokens too: a few tokens may take another kernel (kquants.NATURAL_FEW)
+    for k in (1, 2, 8):
         matmul(raw, fmt.name, w.shape, rng.standard_normal((k, n_in)).astype(np.float32), int8=True)
 
 
