@@ -192,8 +192,8 @@ def test_float_row_decoder_is_bit_identical(kind):
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"])
 def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, monkeypatch):
-    # k <= 2 runs fused 4-row kernels (no scratch, no padded groups): on the VNNI, AVX2 and
-    # generic routes each (row, token) must equal what the k >= 3 tiles compute, bit for bit
+    # k <= 2 runs fused kernels of FUSED_ROWS rows (no scratch, no padded groups): on the VNNI,
+    # AVX2 and generic routes each (row, token) must equal what the k >= 3 tiles compute, bit for bit
     from ds4tools.formats import legacy
     from ds4tools.formats._numeric import FP16_TO_FP32
     kind = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"].index(name)
@@ -214,14 +214,15 @@ def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, mo
             monkeypatch.setattr(_int8dot, "USE_VNNI", vnni)
             monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
             one, two = getattr(_int8dot, "FUSED1_" + name), getattr(_int8dot, "FUSED2_" + name)
+            R = _int8dot.FUSED_ROWS
 
             @njit
             def run(raw, xq1, xc1, dx1, dxs1, xq2, xc2, dx2, dxs2, out):
                 n = raw.shape[0]
-                for r0 in range(0, n, 4):
+                for r0 in range(0, n, R):
                     v = one(raw, FP16_TO_FP32, xq1, xc1, dx1, dxs1, 0, r0, n)
                     w = two(raw, FP16_TO_FP32, xq2, xc2, dx2, dxs2, 0, r0, n)
-                    for i in range(min(4, n - r0)):
+                    for i in range(min(R, n - r0)):
                         out[0, r0 + i], out[1, r0 + i], out[2, r0 + i] = v[i], w[2 * i], w[2 * i + 1]
 
             got = np.empty((3, n_out), np.float32)

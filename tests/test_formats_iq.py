@@ -268,14 +268,15 @@ def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
     monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
     monkeypatch.setattr(_int8dot, "USE_VBMI", vbmi)
     one, two, unpack = _int8dot.FUSED1_IQ2_XXS, _int8dot.FUSED2_IQ2_XXS, _int8dot.UNPACK_IQ2_XXS
+    R = _int8dot.FUSED_ROWS
 
     @njit
     def run(raw, xq1, xc1, dx1, dxs1, xq2, xc2, dx2, dxs2, out, u, dw):
         n = raw.shape[0]
-        for r0 in range(0, n, 4):
+        for r0 in range(0, n, R):
             v = one(raw, FP16_TO_FP32, xq1, xc1, dx1, dxs1, 0, r0, n)
             w = two(raw, FP16_TO_FP32, xq2, xc2, dx2, dxs2, 0, r0, n)
-            for i in range(min(4, n - r0)):
+            for i in range(min(R, n - r0)):
                 out[0, r0 + i], out[1, r0 + i], out[2, r0 + i] = v[i], w[2 * i], w[2 * i + 1]
         m = np.zeros(dw.shape[1], np.float32)
         ng = raw.shape[1] // 132

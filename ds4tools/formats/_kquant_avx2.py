@@ -304,9 +304,9 @@ def _make_natural_k(kind, n_rows, n_toks):
     return natural
 
 
-#: 4 weight rows x 1 token (K1) or 2 tokens (K2) per K-quant kind (Q2_K, Q3_K, Q4_K, Q5_K,
-#: Q6_K): (raw, lut, x, sums, dx, dxs, tok, row, n_out) -> 4 T float32, rows outer
+#: K_FUSED_ROWS weight rows x 1 token (K1) or 2 tokens (K2) per K-quant kind (Q2_K, Q3_K, Q4_K,
+#: Q5_K, Q6_K): (raw, lut, x, sums, dx, dxs, tok, row, n_out) -> R T float32, rows outer
 NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NATURAL_K1_Q5_K, NATURAL_K1_Q6_K = (
-    _make_natural_k(k, 4, 1) for k in range(5))
+    _make_natural_k(k, _int8dot.K_FUSED_ROWS, 1) for k in range(5))
 NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K, NATURAL_K2_Q5_K, NATURAL_K2_Q6_K = (
-    _make_natural_k(k, 4, 2) for k in range(5))
+    _make_natural_k(k, _int8dot.K_FUSED_ROWS, 2) for k in range(5))

@@ -368,7 +368,7 @@ def _iq2_xxs_matmul(raw, lut, grid_u64, sign_mask_u64, x, out, chunk):
 # _int8dot.UNPACK_IQ2_XXS to signed levels + 128 (unsigned bytes, as Q8_0's) with per 32-block
 # float scales d * (2s + 1) / 8, dotted with the Q8_K activations handed over per 32-block
 # (the scale per 256 repeated, the sums of 16 paired) by the tiles; one or two tokens take
-# _int8dot's fused kernels (FUSED1_IQ2_XXS, FUSED2_IQ2_XXS: 4 rows unpacked in registers with
+# _int8dot's fused kernels (FUSED1_IQ2_XXS, FUSED2_IQ2_XXS: a row unpacked in registers with
 # byte-table lookups, the activations in the slot order), same bits. ggml sums the block dots
 # times 2s + 1 in int32 per super-block first; here each block's exact dot is scaled in float:
 # the same product, rounded per block.

@@ -30,7 +30,8 @@ from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_A
                        FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K, FUSED_K2_Q2_K,
                        FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, K_AFFINE, K_PAIRED,
                        KPAIR_BYTES,
-                       K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
+                       K_FUSED_ROWS, K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K,
+                       UNPACK_K_Q4_K,
                        UNPACK_K_Q5_K, UNPACK_K_Q6_K)
 from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NATURAL_K1_Q5_K,
                            NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
@@ -712,9 +713,9 @@ def _matmul(kind, raw, lut, x, out):
 # _prep_act_k_pair): 8 vpdpbusd, then the same 3 float operations for 512 values instead of 256
 # (the tiles measured 20% faster). An odd last super-block leaves the pair's second half zero.
 # * k <= 4 (decode, short drafts): FUSED_K2_* (then FUSED_K1_* for an odd last token) unpack
-#   4 rows super-block by super-block in registers and dot them with 2 tokens (1) at once, no
-#   scratch; the next pair finds the 4 rows in L1 (measured at k = 3, 4: 10-40% faster than the
-#   tiles; from k = 5 the tiles win).
+#   K_FUSED_ROWS rows (one: one ascending stream per thread) super-block by super-block in
+#   registers and dot them with 2 tokens (1) at once, no scratch; the next pair finds the row
+#   in L1 (measured at k = 3, 4: 10-40% faster than the tiles; from k = 5 the tiles win).
 # * k >= 5: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
 #   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
 #   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
@@ -877,9 +878,9 @@ def _natural_k2(kind, raw, lut, x, sums, dx, dxs, tok, r0):
 @njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
     """out[t, r] for a few tokens (k <= NATURAL_TOKENS[kind]) with _kquant_avx2's kernels
-    (quants in their stored order; the same bits as _matmul_q8_kg): 4 rows x 2 tokens per call
-    (1 for an odd last token), the 4 rows in L1 for the next pair, _QK_ROWS_PER_TASK rows per
-    task."""
+    (quants in their stored order; the same bits as _matmul_q8_kg): K_FUSED_ROWS rows x 2
+    tokens per call (1 for an odd last token), the rows in L1 for the next pair,
+    _QK_ROWS_PER_TASK rows per task."""
     n_out = raw.shape[0]
     k, n = x.shape
     # dx, dxs as the group kernels take them (one call: a decoding step makes hundreds)
@@ -893,7 +894,7 @@ def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
         dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
         if K_AFFINE[kind]:
             _prep_dxs(d, sums, dxs)
-    R = K_TILE_ROWS
+    R = K_FUSED_ROWS
     n_tiles = (n_out + R - 1) // R
     per_task = _QK_ROWS_PER_TASK // R
     for c in prange((n_tiles + per_task - 1) // per_task):
@@ -940,6 +941,9 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     if k == 0:
         return
     if k <= _QK_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
+        R = K_FUSED_ROWS
+        n_tiles = (n_out + R - 1) // R
+        per_task = _QK_ROWS_PER_TASK // R
         for c in prange((n_tiles + per_task - 1) // per_task):
             for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
                 r0 = R * tile
