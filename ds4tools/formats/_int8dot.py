@@ -612,7 +612,7 @@ def _make_fused(kind, n_rows, n_toks):
     return fused
 
 
-#: rows per fused call (FUSED1_*: FUSED_ROWS rows x 1 token, FUSED2_*: x 2 tokens), one per
+#: rows per fused call (FUSED{T}_*: FUSED_ROWS rows x T tokens, T = 1..4), one per
 #: kind of UNPACK_LAYOUTS: (raw, lut, x, xcorr, dx, dxs, tok, row, n_out) -> R * T float32.
 #: One row at a time, so that a thread reads its weights as one ascending stream: several rows
 #: dotted side by side interleave their streams, which the hardware prefetchers follow badly
@@ -624,6 +624,10 @@ FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0, FUSED1_Q5_1, FUSED1_Q8_0, FUSED1_IQ4_NL =
     _make_fused(k, FUSED_ROWS, 1) for k in range(6))
 FUSED2_Q4_0, FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED2_IQ4_NL = (
     _make_fused(k, FUSED_ROWS, 2) for k in range(6))
+FUSED3_Q4_0, FUSED3_Q4_1, FUSED3_Q5_0, FUSED3_Q5_1, FUSED3_Q8_0, FUSED3_IQ4_NL = (
+    _make_fused(k, FUSED_ROWS, 3) for k in range(6))
+FUSED4_Q4_0, FUSED4_Q4_1, FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED4_IQ4_NL = (
+    _make_fused(k, FUSED_ROWS, 4) for k in range(6))
 
 
 # --- IQ2_XXS: a group is two super-blocks (16 blocks of 32, 132 raw bytes) ----------------------
@@ -852,6 +856,8 @@ def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
 #: tiles take them)
 FUSED1_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 1)
 FUSED2_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 2)
+FUSED3_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 3)
+FUSED4_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 4)
 
 
 # --- float decoding of one row (the exact float32 matmuls of Q4_0, Q4_1, Q5_0, Q5_1) -----------

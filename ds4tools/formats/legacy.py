@@ -26,7 +26,10 @@ from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE
                        DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
                        FUSED1_IQ2_XXS, FUSED1_IQ4_NL, FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0,
                        FUSED1_Q5_1, FUSED1_Q8_0, FUSED2_IQ2_XXS, FUSED2_IQ4_NL, FUSED2_Q4_0,
-                       FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED_NATURAL,
+                       FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED3_IQ2_XXS,
+                       FUSED3_IQ4_NL, FUSED3_Q4_0, FUSED3_Q4_1, FUSED3_Q5_0, FUSED3_Q5_1,
+                       FUSED3_Q8_0, FUSED4_IQ2_XXS, FUSED4_IQ4_NL, FUSED4_Q4_0, FUSED4_Q4_1,
+                       FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED_NATURAL,
                        FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
@@ -150,6 +153,10 @@ KIND_IQ4_NL = 5
 #: 0.29)
 INT8_MIN_ROW_FUSED = 8 * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
+#: up to this many tokens (decoding, a drafter's step, a short verify) take the fused kernels,
+#: each row unpacked once for all of them (Zen 4, Q8_0 2816x1024 from DRAM, 2 threads, k = 4:
+#: 200 us against 250-450 us for the tiles, 140-150 us at k = 1); the tiles from 5 on
+Q8_FUSED_TOKENS = 4
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 _Q8_TOKEN_BLOCK = 32  # tokens per block: see _matmul_q8
 
@@ -256,6 +263,42 @@ def _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0):
     return FUSED2_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
 
 
+@njit(cache=True)
+def _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == _Q8_KIND_Q8_0:
+        return FUSED3_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 0:
+        return FUSED3_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED3_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED3_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED3_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == KIND_IQ2_XXS:
+        return FUSED3_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    return FUSED3_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+
+
+@njit(cache=True)
+def _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+    n = raw.shape[0]
+    if kind == _Q8_KIND_Q8_0:
+        return FUSED4_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 0:
+        return FUSED4_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 1:
+        return FUSED4_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 2:
+        return FUSED4_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == 3:
+        return FUSED4_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    elif kind == KIND_IQ2_XXS:
+        return FUSED4_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+    return FUSED4_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     """out[t, r] = the int8-activation dot of weight row r (raw blocks of ``kind``) and
@@ -265,10 +308,10 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     whatever tile computes it. The tokens go in blocks of _Q8_TOKEN_BLOCK (their accumulators
     stay in L1) and long rows in runs of _Q8_RUN_GROUPS groups, all the block's tokens per run,
     so a run of weights and activations stays in L1 (the float accumulators carry over).
-    One or two tokens take _int8dot's fused kernels instead: FUSED_ROWS rows at a time
-    unpacked in registers, no scratch; for Q8_0 those read xq in the natural order (value j
-    of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in _int8dot's quad order
-    (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's weights and activations
+    Up to Q8_FUSED_TOKENS tokens take _int8dot's fused kernels instead: FUSED_ROWS rows at a
+    time unpacked in registers and dotted with all the tokens, no scratch; for Q8_0 those read
+    xq in the natural order (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in
+    _int8dot's quad order (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's weights and activations
     are in _int8dot's slot order for every k."""
     n_out = raw.shape[0]
     k, n_pad = xq.shape
@@ -276,22 +319,34 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     ng = nb_pad // GROUP_BLOCKS
     if k == 0:
         return
-    if k <= 2:  # rows unpacked in registers, no scratch (same bits)
+    if k <= Q8_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
         R = FUSED_ROWS
         n_tiles = (n_out + R - 1) // R
         per_task = _Q8_ROWS_PER_TASK // R
         for c in prange((n_tiles + per_task - 1) // per_task):
             for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
                 r0 = R * tile
+                m = min(R, n_out - r0)
+                # (one branch per k: the kernels return tuples of R * k values, rows outer)
                 if k == 1:
-                    v = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(min(R, n_out - r0)):
-                        out[0, r0 + i] = v[i]
+                    v1 = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(m):
+                        out[0, r0 + i] = v1[i]
+                elif k == 2:
+                    v2 = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(m):
+                        for t in range(2):
+                            out[t, r0 + i] = v2[2 * i + t]
+                elif k == 3:
+                    v3 = _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(m):
+                        for t in range(3):
+                            out[t, r0 + i] = v3[3 * i + t]
                 else:
-                    v = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(min(R, n_out - r0)):
-                        out[0, r0 + i] = v[2 * i]
-                        out[1, r0 + i] = v[2 * i + 1]
+                    v4 = _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+                    for i in range(m):
+                        for t in range(4):
+                            out[t, r0 + i] = v4[4 * i + t]
         return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
@@ -355,10 +410,10 @@ def matmul_q8_tiles(kind, raw, act, out):
     dx = np.empty((k, nb_pad), np.float32)
     dxs = np.empty((k, nb_pad), np.float32)
     _prep_act_q8(act.q, d, sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
-    if k <= 2 and kind in FUSED_NATURAL:  # the fused kernel reads the natural order
+    if k <= Q8_FUSED_TOKENS and kind in FUSED_NATURAL:  # the fused kernel reads the natural order
         xq[:, :] = 0
         xq[:, :n] = act.q
-    elif k <= 2 and kind in FUSED_QUAD:  # ... or the quad order (see _int8dot)
+    elif k <= Q8_FUSED_TOKENS and kind in FUSED_QUAD:  # ... or the quad order (see _int8dot)
         xn = np.zeros((k, nb_pad * QK), np.int8)
         xn[:, :n] = act.q
         xq[:, :] = xn.reshape(k, -1, 4, 4, 2, 16).transpose(0, 1, 2, 4, 3, 5).reshape(k, -1)
