@@ -1541,10 +1541,14 @@ def _make_fused_k(kind, n_rows, n_toks):
     return fused
 
 
-#: tokens with weight rows unpacked in registers (k = 1: K_FUSED_ROWS rows x 1 token; k = 2: x 2), per
+#: tokens with weight rows unpacked in registers (K{T}: K_FUSED_ROWS rows x T tokens), per
 #: K-quant kind: (raw, lut, x, dx, dxs, tok, row, n_out) -> R * T float32, rows outer
 FUSED_K1_Q2_K, FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 1) for k in range(5))
 FUSED_K2_Q2_K, FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 2) for k in range(5))
+FUSED_K3_Q2_K, FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K = (
+    _make_fused_k(k, K_FUSED_ROWS, 3) for k in range(5))
+FUSED_K4_Q2_K, FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K = (
+    _make_fused_k(k, K_FUSED_ROWS, 4) for k in range(5))
 # === end of the K-quants section ===

@@ -240,15 +240,7 @@ def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb
     if k <= _kq._QK_FUSED_TOKENS:
         R = K_FUSED_ROWS
         for r0 in range(r_lo, r_hi, R):
-            for t in range(0, k - 1, 2):
-                v = _kq._fused_k2(kind, raw, lut, xq_f, dx, dxs, s + t, r0)
-                for i in range(min(R, n_out - r0)):
-                    out[s + t, r0 + i] = v[2 * i]
-                    out[s + t + 1, r0 + i] = v[2 * i + 1]
-            if k % 2:
-                v = _kq._fused_k1(kind, raw, lut, xq_f, dx, dxs, e - 1, r0)
-                for i in range(min(R, n_out - r0)):
-                    out[e - 1, r0 + i] = v[i]
+            _kq._fused_k_tile(kind, raw, lut, xq_f, dx, dxs, s, k, r0, out)
         return
     ts = _kq.TYPE_SIZE[kind]
     nsb = raw.shape[1] // ts

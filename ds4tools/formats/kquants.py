@@ -28,7 +28,9 @@ from .base import QuantFormat, register
 from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_PAIR,
                        DOT_K_4x2_SYM, FUSED_K1_Q2_K,
                        FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K, FUSED_K2_Q2_K,
-                       FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, K_AFFINE, K_PAIRED,
+                       FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, FUSED_K3_Q2_K,
+                       FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K, FUSED_K4_Q2_K,
+                       FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K, K_AFFINE, K_PAIRED,
                        KPAIR_BYTES,
                        K_FUSED_ROWS, K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K,
                        UNPACK_K_Q4_K,
@@ -712,10 +714,9 @@ def _matmul(kind, raw, lut, x, out):
 # layout, lane i = sub-block i % 8 of super-block i // 8, 8 chunks; _emit_unpack_pair,
 # _prep_act_k_pair): 8 vpdpbusd, then the same 3 float operations for 512 values instead of 256
 # (the tiles measured 20% faster). An odd last super-block leaves the pair's second half zero.
-# * k <= 4 (decode, short drafts): FUSED_K2_* (then FUSED_K1_* for an odd last token) unpack
-#   K_FUSED_ROWS rows (one: one ascending stream per thread) super-block by super-block in
-#   registers and dot them with 2 tokens (1) at once, no scratch; the next pair finds the row
-#   in L1 (measured at k = 3, 4: 10-40% faster than the tiles; from k = 5 the tiles win).
+# * k <= 4 (decode, short drafts): FUSED_K{k}_* unpack K_FUSED_ROWS rows (one: one ascending
+#   stream per thread) super-block by super-block in registers and dot them with the k tokens
+#   at once, no scratch (from k = 5 the tiles win).
 # * k >= 5: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
 #   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
 #   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
@@ -848,6 +849,61 @@ def _fused_k2(kind, raw, lut, xq, dx, dxs, tok, r0):
 
 
 @njit(cache=True)
+def _fused_k3(kind, raw, lut, xq, dx, dxs, tok, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return FUSED_K3_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 1:
+        return FUSED_K3_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 2:
+        return FUSED_K3_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 3:
+        return FUSED_K3_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    return FUSED_K3_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
+
+
+@njit(cache=True)
+def _fused_k4(kind, raw, lut, xq, dx, dxs, tok, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return FUSED_K4_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 1:
+        return FUSED_K4_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 2:
+        return FUSED_K4_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 3:
+        return FUSED_K4_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    return FUSED_K4_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
+
+
+@njit(cache=True)
+def _fused_k_tile(kind, raw, lut, xq, dx, dxs, s, k, r0, out):
+    """out[s + t, r0 + i] for tokens s..s+k-1 (k <= 4) and the K_FUSED_ROWS rows from r0: one
+    fused call, each row unpacked once for all k tokens (one branch per k: the kernels return
+    tuples of R * k values, rows outer)."""
+    m = min(K_FUSED_ROWS, raw.shape[0] - r0)
+    if k == 1:
+        v1 = _fused_k1(kind, raw, lut, xq, dx, dxs, s, r0)
+        for i in range(m):
+            out[s, r0 + i] = v1[i]
+    elif k == 2:
+        v2 = _fused_k2(kind, raw, lut, xq, dx, dxs, s, r0)
+        for i in range(m):
+            for t in range(2):
+                out[s + t, r0 + i] = v2[2 * i + t]
+    elif k == 3:
+        v3 = _fused_k3(kind, raw, lut, xq, dx, dxs, s, r0)
+        for i in range(m):
+            for t in range(3):
+                out[s + t, r0 + i] = v3[3 * i + t]
+    else:
+        v4 = _fused_k4(kind, raw, lut, xq, dx, dxs, s, r0)
+        for i in range(m):
+            for t in range(4):
+                out[s + t, r0 + i] = v4[4 * i + t]
+
+
+@njit(cache=True)
 def _natural_k1(kind, raw, lut, x, sums, dx, dxs, tok, r0):
     n = raw.shape[0]
     if kind == 0:
@@ -946,16 +1002,7 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
         per_task = _QK_ROWS_PER_TASK // R
         for c in prange((n_tiles + per_task - 1) // per_task):
             for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
-                r0 = R * tile
-                for t in range(0, k - 1, 2):  # the tile's rows stay in L1 for the next pair
-                    v = _fused_k2(kind, raw, lut, xq, dx, dxs, t, r0)
-                    for i in range(min(R, n_out - r0)):
-                        out[t, r0 + i] = v[2 * i]
-                        out[t + 1, r0 + i] = v[2 * i + 1]
-                if k % 2:
-                    v = _fused_k1(kind, raw, lut, xq, dx, dxs, k - 1, r0)
-                    for i in range(min(R, n_out - r0)):
-                        out[k - 1, r0 + i] = v[i]
+                _fused_k_tile(kind, raw, lut, xq, dx, dxs, 0, k, R * tile, out)
         return
     for c in prange((n_tiles + per_task - 1) // per_task):
         w = np.empty((R, n_in), np.uint8)
