@@ -299,6 +299,34 @@ def _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0):
     return FUSED4_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
 
 
+@njit(cache=True)
+def _fused_tile(kind, raw, lut, xq, xcorr, dx, dxs, r0, out):
+    """out[t, r0 + i] for all k <= 4 tokens and the FUSED_ROWS rows from r0: one fused call,
+    each row unpacked once for all k tokens (one branch per k: the kernels return tuples of
+    R * k values, rows outer)."""
+    m = min(FUSED_ROWS, raw.shape[0] - r0)
+    k = out.shape[0]
+    if k == 1:
+        v1 = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+        for i in range(m):
+            out[0, r0 + i] = v1[i]
+    elif k == 2:
+        v2 = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+        for i in range(m):
+            for t in range(2):
+                out[t, r0 + i] = v2[2 * i + t]
+    elif k == 3:
+        v3 = _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+        for i in range(m):
+            for t in range(3):
+                out[t, r0 + i] = v3[3 * i + t]
+    else:
+        v4 = _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0)
+        for i in range(m):
+            for t in range(4):
+                out[t, r0 + i] = v4[4 * i + t]
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     """out[t, r] = the int8-activation dot of weight row r (raw blocks of ``kind``) and
@@ -311,8 +339,8 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     Up to Q8_FUSED_TOKENS tokens take _int8dot's fused kernels instead: FUSED_ROWS rows at a
     time unpacked in registers and dotted with all the tokens, no scratch; for Q8_0 those read
     xq in the natural order (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in
-    _int8dot's quad order (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's weights and activations
-    are in _int8dot's slot order for every k."""
+    _int8dot's quad order (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's
+    weights and activations are in _int8dot's slot order for every k."""
     n_out = raw.shape[0]
     k, n_pad = xq.shape
     nb_pad = n_pad // QK
@@ -325,28 +353,7 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
         per_task = _Q8_ROWS_PER_TASK // R
         for c in prange((n_tiles + per_task - 1) // per_task):
             for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
-                r0 = R * tile
-                m = min(R, n_out - r0)
-                # (one branch per k: the kernels return tuples of R * k values, rows outer)
-                if k == 1:
-                    v1 = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(m):
-                        out[0, r0 + i] = v1[i]
-                elif k == 2:
-                    v2 = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(m):
-                        for t in range(2):
-                            out[t, r0 + i] = v2[2 * i + t]
-                elif k == 3:
-                    v3 = _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(m):
-                        for t in range(3):
-                            out[t, r0 + i] = v3[3 * i + t]
-                else:
-                    v4 = _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-                    for i in range(m):
-                        for t in range(4):
-                            out[t, r0 + i] = v4[4 * i + t]
+                _fused_tile(kind, raw, lut, xq, xcorr, dx, dxs, R * tile, out)
         return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
