@@ -1547,6 +1547,13 @@ FUSED_K1_Q2_K, FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 1) for k in range(5))
 FUSED_K2_Q2_K, FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 2) for k in range(5))
+#: one token, 4 short rows per call (K_SHORT_ROW_BYTES): a row of one or two super-blocks is too
+#: little work per call, and 4 such rows are one short contiguous run anyway (a MoE block's
+#: down projection of 256 values: the one-row kernels decoded a 1B glm4moe 7% slower)
+FUSED_K1S_Q2_K, FUSED_K1S_Q3_K, FUSED_K1S_Q4_K, FUSED_K1S_Q5_K, FUSED_K1S_Q6_K = (
+    _make_fused_k(k, 4, 1) for k in range(5))
+K_SHORT_ROWS = 4
+K_SHORT_ROW_BYTES = 512
 FUSED_K3_Q2_K, FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 3) for k in range(5))
 FUSED_K4_Q2_K, FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K = (

@@ -31,8 +31,8 @@ from numba import njit, prange
 
 from . import kquants as _kq
 from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_PAIR,
-                       DOT_K_4x2_SYM, K_AFFINE, K_FUSED_ROWS, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES,
-                       KSUM, KSUM_STORE_4x4)
+                       DOT_K_4x2_SYM, K_AFFINE, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES, KSUM,
+                       KSUM_STORE_4x4)
 from ._numeric import FP16_TO_FP32
 from .activations import QuantizedActivations, quantize_activations
 from .base import QuantFormat
@@ -238,8 +238,7 @@ def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb
     k = e - s
     R = K_TILE_ROWS
     if k <= _kq._QK_FUSED_TOKENS:
-        R = K_FUSED_ROWS
-        for r0 in range(r_lo, r_hi, R):
+        for r0 in range(r_lo, r_hi, _kq._fused_k_rows(raw, k)):  # r_lo: a multiple of 16
             _kq._fused_k_tile(kind, raw, lut, xq_f, dx, dxs, s, k, r0, out)
         return
     ts = _kq.TYPE_SIZE[kind]

@@ -26,14 +26,14 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_PAIR,
-                       DOT_K_4x2_SYM, FUSED_K1_Q2_K,
+                       DOT_K_4x2_SYM, FUSED_K1S_Q2_K, FUSED_K1S_Q3_K, FUSED_K1S_Q4_K,
+                       FUSED_K1S_Q5_K, FUSED_K1S_Q6_K, FUSED_K1_Q2_K,
                        FUSED_K1_Q3_K, FUSED_K1_Q4_K, FUSED_K1_Q5_K, FUSED_K1_Q6_K, FUSED_K2_Q2_K,
                        FUSED_K2_Q3_K, FUSED_K2_Q4_K, FUSED_K2_Q5_K, FUSED_K2_Q6_K, FUSED_K3_Q2_K,
                        FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K, FUSED_K4_Q2_K,
                        FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K, K_AFFINE, K_PAIRED,
-                       KPAIR_BYTES,
-                       K_FUSED_ROWS, K_TILE_ROWS, KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K,
-                       UNPACK_K_Q4_K,
+                       KPAIR_BYTES, K_FUSED_ROWS, K_SHORT_ROW_BYTES, K_SHORT_ROWS, K_TILE_ROWS,
+                       KSUM, KSUM_STORE_4x4, UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K,
                        UNPACK_K_Q5_K, UNPACK_K_Q6_K)
 from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NATURAL_K1_Q5_K,
                            NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
@@ -835,6 +835,20 @@ def _fused_k1(kind, raw, lut, xq, dx, dxs, tok, r0):
 
 
 @njit(cache=True)
+def _fused_k1s(kind, raw, lut, xq, dx, dxs, tok, r0):
+    n = raw.shape[0]
+    if kind == 0:
+        return FUSED_K1S_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 1:
+        return FUSED_K1S_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 2:
+        return FUSED_K1S_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    elif kind == 3:
+        return FUSED_K1S_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
+    return FUSED_K1S_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
+
+
+@njit(cache=True)
 def _fused_k2(kind, raw, lut, xq, dx, dxs, tok, r0):
     n = raw.shape[0]
     if kind == 0:
@@ -877,12 +891,23 @@ def _fused_k4(kind, raw, lut, xq, dx, dxs, tok, r0):
 
 
 @njit(cache=True)
+def _fused_k_rows(raw, k):
+    """The weight rows one _fused_k_tile call takes: K_SHORT_ROWS for one token and short rows,
+    else K_FUSED_ROWS."""
+    return K_SHORT_ROWS if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES else K_FUSED_ROWS
+
+
+@njit(cache=True)
 def _fused_k_tile(kind, raw, lut, xq, dx, dxs, s, k, r0, out):
-    """out[s + t, r0 + i] for tokens s..s+k-1 (k <= 4) and the K_FUSED_ROWS rows from r0: one
-    fused call, each row unpacked once for all k tokens (one branch per k: the kernels return
-    tuples of R * k values, rows outer)."""
+    """out[s + t, r0 + i] for tokens s..s+k-1 (k <= 4) and the _fused_k_rows(raw, k) rows from
+    r0: one fused call, each row unpacked once for all k tokens (one branch per k: the kernels
+    return tuples of R * k values, rows outer)."""
     m = min(K_FUSED_ROWS, raw.shape[0] - r0)
-    if k == 1:
+    if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES:
+        v1s = _fused_k1s(kind, raw, lut, xq, dx, dxs, s, r0)
+        for i in range(min(K_SHORT_ROWS, raw.shape[0] - r0)):
+            out[s, r0 + i] = v1s[i]
+    elif k == 1:
         v1 = _fused_k1(kind, raw, lut, xq, dx, dxs, s, r0)
         for i in range(m):
             out[s, r0 + i] = v1[i]
@@ -997,12 +1022,11 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     if k == 0:
         return
     if k <= _QK_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
-        R = K_FUSED_ROWS
-        n_tiles = (n_out + R - 1) // R
-        per_task = _QK_ROWS_PER_TASK // R
-        for c in prange((n_tiles + per_task - 1) // per_task):
-            for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
-                _fused_k_tile(kind, raw, lut, xq, dx, dxs, 0, k, R * tile, out)
+        step = _fused_k_rows(raw, k)
+        per = _QK_ROWS_PER_TASK  # a multiple of every step
+        for c in prange((n_out + per - 1) // per):
+            for r0 in range(c * per, min(n_out, (c + 1) * per), step):
+                _fused_k_tile(kind, raw, lut, xq, dx, dxs, 0, k, r0, out)
         return
     for c in prange((n_tiles + per_task - 1) // per_task):
         w = np.empty((R, n_in), np.uint8)
