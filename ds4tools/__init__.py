@@ -5,12 +5,15 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "__version__"]
 
-# numba's OpenMP workers spin ~300,000 iterations (GNU libgomp's default) waiting for the next
-# parallel region. When other processes keep the cores busy, that spinning takes the CPU time
-# the work itself needs: on 2 loaded cores, 2-thread decoding ran 5-10x slower than 1 thread.
-# A short spin keeps back-to-back kernels fast and lets the cores go quickly. libgomp reads
-# this when it loads (at numba's first parallel call); a value set by the user wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# numba's OpenMP workers spin GOMP_SPINCOUNT iterations waiting for the next parallel region,
+# then sleep; waking them costs more than a small matmul. A decode step runs ~200 parallel
+# regions with a few microseconds of Python between them, so the workers must still be spinning
+# when the next one starts: 100,000 spins (a third of libgomp's default) decoded a 350M Q8_0
+# model 1.5x faster than 1,000 on an idle 2-core Zen 4, and 0.8-0.9x as fast as 1,000 when two
+# decoders shared the cores (libgomp's default was 5-10x slower there). Processes that expect
+# to share cores (the test suite's workers) set a short spin. libgomp reads this when it loads
+# (at numba's first parallel call); a value set by the user wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 
 def __getattr__(name):

@@ -5,6 +5,9 @@ import os
 collect_ignore = ["cuda"]
 
 os.environ.setdefault("NUMBA_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+# pytest-xdist's workers share the cores: OpenMP workers that spin long between parallel
+# regions would take the CPU time the other workers' kernels need (see ds4tools/__init__.py)
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 # --- tiny Hugging Face checkpoints and their GGUF conversions (tests/fixtures/hf_models.py) ---
