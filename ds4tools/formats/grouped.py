@@ -238,8 +238,7 @@ def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb
     k = e - s
     R = K_TILE_ROWS
     if k <= _kq._QK_FUSED_TOKENS:
-        for r0 in range(r_lo, r_hi, _kq._fused_k_rows(raw, k)):  # r_lo: a multiple of 16
-            _kq._fused_k_tile(kind, raw, lut, xq_f, dx, dxs, s, k, r0, out)
+        _kq._fused_k_span(kind, raw, lut, xq_f, dx, dxs, s, k, r_lo, r_hi, out)
         return
     ts = _kq.TYPE_SIZE[kind]
     nsb = raw.shape[1] // ts

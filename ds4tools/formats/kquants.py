@@ -820,140 +820,175 @@ def _prep_act_k_pair(q, d, sums, xq, dx, dxs, grouped):
                                                                      & 0xFF)
 
 
+@njit(cache=True, inline="always")
+def _put_k(v, k, R, s, r, r1, out):
+    # a fused call's R * k values (rows outer) into out[s:s + k, r..], rows before r1 only
+    for i in range(min(R, r1 - r)):
+        for t in range(k):
+            out[s + t, r + i] = v[k * i + t]
+
+
 @njit(cache=True)
-def _fused_k1(kind, raw, lut, xq, dx, dxs, tok, r0):
+def _fused_k_span1(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
     n = raw.shape[0]
     if kind == 0:
-        return FUSED_K1_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K1_Q2_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 1:
-        return FUSED_K1_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K1_Q3_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 2:
-        return FUSED_K1_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K1_Q4_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 3:
-        return FUSED_K1_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    return FUSED_K1_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
-
-
-@njit(cache=True)
-def _fused_k1s(kind, raw, lut, xq, dx, dxs, tok, r0):
-    n = raw.shape[0]
-    if kind == 0:
-        return FUSED_K1S_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 1:
-        return FUSED_K1S_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 2:
-        return FUSED_K1S_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 3:
-        return FUSED_K1S_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    return FUSED_K1S_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
-
-
-@njit(cache=True)
-def _fused_k2(kind, raw, lut, xq, dx, dxs, tok, r0):
-    n = raw.shape[0]
-    if kind == 0:
-        return FUSED_K2_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 1:
-        return FUSED_K2_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 2:
-        return FUSED_K2_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 3:
-        return FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    return FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
-
-
-@njit(cache=True)
-def _fused_k3(kind, raw, lut, xq, dx, dxs, tok, r0):
-    n = raw.shape[0]
-    if kind == 0:
-        return FUSED_K3_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 1:
-        return FUSED_K3_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 2:
-        return FUSED_K3_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 3:
-        return FUSED_K3_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    return FUSED_K3_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
-
-
-@njit(cache=True)
-def _fused_k4(kind, raw, lut, xq, dx, dxs, tok, r0):
-    n = raw.shape[0]
-    if kind == 0:
-        return FUSED_K4_Q2_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 1:
-        return FUSED_K4_Q3_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 2:
-        return FUSED_K4_Q4_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    elif kind == 3:
-        return FUSED_K4_Q5_K(raw, lut, xq, dx, dxs, tok, r0, n)
-    return FUSED_K4_Q6_K(raw, lut, xq, dx, dxs, tok, r0, n)
-
-
-@njit(cache=True)
-def _fused_k_rows(raw, k):
-    """The weight rows one _fused_k_tile call takes: K_SHORT_ROWS for one token and short rows,
-    else K_FUSED_ROWS."""
-    return K_SHORT_ROWS if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES else K_FUSED_ROWS
-
-
-@njit(cache=True)
-def _fused_k_tile(kind, raw, lut, xq, dx, dxs, s, k, r0, out):
-    """out[s + t, r0 + i] for tokens s..s+k-1 (k <= 4) and the _fused_k_rows(raw, k) rows from
-    r0: one fused call, each row unpacked once for all k tokens (one branch per k: the kernels
-    return tuples of R * k values, rows outer)."""
-    m = min(K_FUSED_ROWS, raw.shape[0] - r0)
-    if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES:
-        v1s = _fused_k1s(kind, raw, lut, xq, dx, dxs, s, r0)
-        for i in range(min(K_SHORT_ROWS, raw.shape[0] - r0)):
-            out[s, r0 + i] = v1s[i]
-    elif k == 1:
-        v1 = _fused_k1(kind, raw, lut, xq, dx, dxs, s, r0)
-        for i in range(m):
-            out[s, r0 + i] = v1[i]
-    elif k == 2:
-        v2 = _fused_k2(kind, raw, lut, xq, dx, dxs, s, r0)
-        for i in range(m):
-            for t in range(2):
-                out[s + t, r0 + i] = v2[2 * i + t]
-    elif k == 3:
-        v3 = _fused_k3(kind, raw, lut, xq, dx, dxs, s, r0)
-        for i in range(m):
-            for t in range(3):
-                out[s + t, r0 + i] = v3[3 * i + t]
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K1_Q5_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_FUSED_ROWS, s, r, r1, out)
     else:
-        v4 = _fused_k4(kind, raw, lut, xq, dx, dxs, s, r0)
-        for i in range(m):
-            for t in range(4):
-                out[s + t, r0 + i] = v4[4 * i + t]
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K1_Q6_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_FUSED_ROWS, s, r, r1, out)
 
 
 @njit(cache=True)
-def _natural_k1(kind, raw, lut, x, sums, dx, dxs, tok, r0):
+def _fused_k_span1s(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
     n = raw.shape[0]
     if kind == 0:
-        return NATURAL_K1_Q2_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_SHORT_ROWS):
+            _put_k(FUSED_K1S_Q2_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_SHORT_ROWS, s, r, r1, out)
     elif kind == 1:
-        return NATURAL_K1_Q3_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_SHORT_ROWS):
+            _put_k(FUSED_K1S_Q3_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_SHORT_ROWS, s, r, r1, out)
     elif kind == 2:
-        return NATURAL_K1_Q4_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_SHORT_ROWS):
+            _put_k(FUSED_K1S_Q4_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_SHORT_ROWS, s, r, r1, out)
     elif kind == 3:
-        return NATURAL_K1_Q5_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
-    return NATURAL_K1_Q6_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_SHORT_ROWS):
+            _put_k(FUSED_K1S_Q5_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_SHORT_ROWS, s, r, r1, out)
+    else:
+        for r in range(r0, r1, K_SHORT_ROWS):
+            _put_k(FUSED_K1S_Q6_K(raw, lut, xq, dx, dxs, s, r, n), 1, K_SHORT_ROWS, s, r, r1, out)
 
 
 @njit(cache=True)
-def _natural_k2(kind, raw, lut, x, sums, dx, dxs, tok, r0):
+def _fused_k_span2(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
     n = raw.shape[0]
     if kind == 0:
-        return NATURAL_K2_Q2_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K2_Q2_K(raw, lut, xq, dx, dxs, s, r, n), 2, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 1:
-        return NATURAL_K2_Q3_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K2_Q3_K(raw, lut, xq, dx, dxs, s, r, n), 2, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 2:
-        return NATURAL_K2_Q4_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K2_Q4_K(raw, lut, xq, dx, dxs, s, r, n), 2, K_FUSED_ROWS, s, r, r1, out)
     elif kind == 3:
-        return NATURAL_K2_Q5_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
-    return NATURAL_K2_Q6_K(raw, lut, x, sums, dx, dxs, tok, r0, n)
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K2_Q5_K(raw, lut, xq, dx, dxs, s, r, n), 2, K_FUSED_ROWS, s, r, r1, out)
+    else:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K2_Q6_K(raw, lut, xq, dx, dxs, s, r, n), 2, K_FUSED_ROWS, s, r, r1, out)
+
+
+@njit(cache=True)
+def _fused_k_span3(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
+    n = raw.shape[0]
+    if kind == 0:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K3_Q2_K(raw, lut, xq, dx, dxs, s, r, n), 3, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 1:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K3_Q3_K(raw, lut, xq, dx, dxs, s, r, n), 3, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 2:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K3_Q4_K(raw, lut, xq, dx, dxs, s, r, n), 3, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 3:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K3_Q5_K(raw, lut, xq, dx, dxs, s, r, n), 3, K_FUSED_ROWS, s, r, r1, out)
+    else:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K3_Q6_K(raw, lut, xq, dx, dxs, s, r, n), 3, K_FUSED_ROWS, s, r, r1, out)
+
+
+@njit(cache=True)
+def _fused_k_span4(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
+    n = raw.shape[0]
+    if kind == 0:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K4_Q2_K(raw, lut, xq, dx, dxs, s, r, n), 4, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 1:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K4_Q3_K(raw, lut, xq, dx, dxs, s, r, n), 4, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 2:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K4_Q4_K(raw, lut, xq, dx, dxs, s, r, n), 4, K_FUSED_ROWS, s, r, r1, out)
+    elif kind == 3:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K4_Q5_K(raw, lut, xq, dx, dxs, s, r, n), 4, K_FUSED_ROWS, s, r, r1, out)
+    else:
+        for r in range(r0, r1, K_FUSED_ROWS):
+            _put_k(FUSED_K4_Q6_K(raw, lut, xq, dx, dxs, s, r, n), 4, K_FUSED_ROWS, s, r, r1, out)
+
+
+@njit(cache=True)
+def _fused_k_span(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out):
+    """out[s + t, r] for tokens s..s+k-1 (k <= 4) and rows r0..r1-1: one fused call per
+    K_FUSED_ROWS rows, each row unpacked once for all k tokens; one token over short rows
+    (under K_SHORT_ROW_BYTES) K_SHORT_ROWS rows per call. The kind and k are chosen once per
+    span, so each loop runs one kernel, whose setup LLVM hoists out of it (as legacy's
+    _fused_span)."""
+    if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES:
+        _fused_k_span1s(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+    elif k == 1:
+        _fused_k_span1(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+    elif k == 2:
+        _fused_k_span2(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+    elif k == 3:
+        _fused_k_span3(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+    else:
+        _fused_k_span4(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+
+
+@njit(cache=True)
+def _natural_span(kind, raw, lut, x, sums, dx, dxs, r0, r1, out):
+    """out[:, r] for rows r0..r1-1 with _kquant_avx2's kernels, K_FUSED_ROWS rows x 2 tokens per
+    call (1 for an odd last token), the kind chosen once per span (see _fused_k_span)."""
+    n = raw.shape[0]
+    k = x.shape[0]
+    R = K_FUSED_ROWS
+    if kind == 0:
+        for r in range(r0, r1, R):
+            for t in range(0, k - 1, 2):
+                _put_k(NATURAL_K2_Q2_K(raw, lut, x, sums, dx, dxs, t, r, n), 2, R, t, r, r1, out)
+            if k % 2:
+                _put_k(NATURAL_K1_Q2_K(raw, lut, x, sums, dx, dxs, k - 1, r, n), 1, R, k - 1, r,
+                       r1, out)
+    elif kind == 1:
+        for r in range(r0, r1, R):
+            for t in range(0, k - 1, 2):
+                _put_k(NATURAL_K2_Q3_K(raw, lut, x, sums, dx, dxs, t, r, n), 2, R, t, r, r1, out)
+            if k % 2:
+                _put_k(NATURAL_K1_Q3_K(raw, lut, x, sums, dx, dxs, k - 1, r, n), 1, R, k - 1, r,
+                       r1, out)
+    elif kind == 2:
+        for r in range(r0, r1, R):
+            for t in range(0, k - 1, 2):
+                _put_k(NATURAL_K2_Q4_K(raw, lut, x, sums, dx, dxs, t, r, n), 2, R, t, r, r1, out)
+            if k % 2:
+                _put_k(NATURAL_K1_Q4_K(raw, lut, x, sums, dx, dxs, k - 1, r, n), 1, R, k - 1, r,
+                       r1, out)
+    elif kind == 3:
+        for r in range(r0, r1, R):
+            for t in range(0, k - 1, 2):
+                _put_k(NATURAL_K2_Q5_K(raw, lut, x, sums, dx, dxs, t, r, n), 2, R, t, r, r1, out)
+            if k % 2:
+                _put_k(NATURAL_K1_Q5_K(raw, lut, x, sums, dx, dxs, k - 1, r, n), 1, R, k - 1, r,
+                       r1, out)
+    else:
+        for r in range(r0, r1, R):
+            for t in range(0, k - 1, 2):
+                _put_k(NATURAL_K2_Q6_K(raw, lut, x, sums, dx, dxs, t, r, n), 2, R, t, r, r1, out)
+            if k % 2:
+                _put_k(NATURAL_K1_Q6_K(raw, lut, x, sums, dx, dxs, k - 1, r, n), 1, R, k - 1, r,
+                       r1, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -975,21 +1010,9 @@ def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
         dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
         if K_AFFINE[kind]:
             _prep_dxs(d, sums, dxs)
-    R = K_FUSED_ROWS
-    n_tiles = (n_out + R - 1) // R
-    per_task = _QK_ROWS_PER_TASK // R
-    for c in prange((n_tiles + per_task - 1) // per_task):
-        for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
-            r0 = R * tile
-            for t in range(0, k - 1, 2):
-                v = _natural_k2(kind, raw, lut, x, sums, dx, dxs, t, r0)
-                for i in range(min(R, n_out - r0)):
-                    out[t, r0 + i] = v[2 * i]
-                    out[t + 1, r0 + i] = v[2 * i + 1]
-            if k % 2:
-                v = _natural_k1(kind, raw, lut, x, sums, dx, dxs, k - 1, r0)
-                for i in range(min(R, n_out - r0)):
-                    out[k - 1, r0 + i] = v[i]
+    per = _QK_ROWS_PER_TASK  # a multiple of K_FUSED_ROWS
+    for c in prange((n_out + per - 1) // per):
+        _natural_span(kind, raw, lut, x, sums, dx, dxs, c * per, min(n_out, c * per + per), out)
 
 
 #: a few tokens take _kquant_avx2's kernels where the CPU has AVX2 but not AVX-512 VNNI (with
@@ -1022,11 +1045,10 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     if k == 0:
         return
     if k <= _QK_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
-        step = _fused_k_rows(raw, k)
-        per = _QK_ROWS_PER_TASK  # a multiple of every step
+        per = _QK_ROWS_PER_TASK  # a multiple of K_FUSED_ROWS and K_SHORT_ROWS
         for c in prange((n_out + per - 1) // per):
-            for r0 in range(c * per, min(n_out, (c + 1) * per), step):
-                _fused_k_tile(kind, raw, lut, xq, dx, dxs, 0, k, r0, out)
+            _fused_k_span(kind, raw, lut, xq, dx, dxs, 0, k, c * per, min(n_out, c * per + per),
+                          out)
         return
     for c in prange((n_tiles + per_task - 1) // per_task):
         w = np.empty((R, n_in), np.uint8)

@@ -227,104 +227,133 @@ def _slot_order_q8(q, xq):
                 xq[t, base + 64 * (j & 7) + (j >> 3)] = q[t, b * QK + j]
 
 
+@njit(cache=True, inline="always")
+def _put(v, k, r, r1, out):
+    # a fused call's R * k values (rows outer) into out[:, r..], rows before r1 only
+    for i in range(min(FUSED_ROWS, r1 - r)):
+        for t in range(k):
+            out[t, r + i] = v[k * i + t]
+
+
 @njit(cache=True)
-def _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+def _fused_span1(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
     n = raw.shape[0]
     if kind == _Q8_KIND_Q8_0:
-        return FUSED1_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
     elif kind == 0:
-        return FUSED1_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
     elif kind == 1:
-        return FUSED1_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
     elif kind == 2:
-        return FUSED1_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
     elif kind == 3:
-        return FUSED1_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
     elif kind == KIND_IQ2_XXS:
-        return FUSED1_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
-    return FUSED1_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
+    else:
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED1_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 1, r, r1, out)
 
 
 @njit(cache=True)
-def _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+def _fused_span2(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
     n = raw.shape[0]
     if kind == _Q8_KIND_Q8_0:
-        return FUSED2_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
     elif kind == 0:
-        return FUSED2_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
     elif kind == 1:
-        return FUSED2_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
     elif kind == 2:
-        return FUSED2_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
     elif kind == 3:
-        return FUSED2_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
     elif kind == KIND_IQ2_XXS:
-        return FUSED2_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
-    return FUSED2_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
+    else:
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED2_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 2, r, r1, out)
 
 
 @njit(cache=True)
-def _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+def _fused_span3(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
     n = raw.shape[0]
     if kind == _Q8_KIND_Q8_0:
-        return FUSED3_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
     elif kind == 0:
-        return FUSED3_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
     elif kind == 1:
-        return FUSED3_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
     elif kind == 2:
-        return FUSED3_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
     elif kind == 3:
-        return FUSED3_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
     elif kind == KIND_IQ2_XXS:
-        return FUSED3_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
-    return FUSED3_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
+    else:
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED3_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 3, r, r1, out)
 
 
 @njit(cache=True)
-def _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0):
+def _fused_span4(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
     n = raw.shape[0]
     if kind == _Q8_KIND_Q8_0:
-        return FUSED4_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
     elif kind == 0:
-        return FUSED4_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
     elif kind == 1:
-        return FUSED4_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
     elif kind == 2:
-        return FUSED4_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
     elif kind == 3:
-        return FUSED4_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
     elif kind == KIND_IQ2_XXS:
-        return FUSED4_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
-    return FUSED4_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r0, n)
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
+    else:
+        for r in range(r0, r1, FUSED_ROWS):
+            _put(FUSED4_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r, n), 4, r, r1, out)
 
 
 @njit(cache=True)
-def _fused_tile(kind, raw, lut, xq, xcorr, dx, dxs, r0, out):
-    """out[t, r0 + i] for all k <= 4 tokens and the FUSED_ROWS rows from r0: one fused call,
-    each row unpacked once for all k tokens (one branch per k: the kernels return tuples of
-    R * k values, rows outer)."""
-    m = min(FUSED_ROWS, raw.shape[0] - r0)
+def _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
+    """out[t, r] for all k <= 4 tokens and rows r0..r1-1: one fused call per FUSED_ROWS rows,
+    each row unpacked once for all k tokens. The kind and k are chosen once per span, so each
+    loop runs one kernel, whose setup LLVM hoists out of it (chosen per row, the setup ran per
+    row: 1024-wide Q8_0 rows went 2.5x slower)."""
     k = out.shape[0]
     if k == 1:
-        v1 = _fused1(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-        for i in range(m):
-            out[0, r0 + i] = v1[i]
+        _fused_span1(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
     elif k == 2:
-        v2 = _fused2(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-        for i in range(m):
-            for t in range(2):
-                out[t, r0 + i] = v2[2 * i + t]
+        _fused_span2(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
     elif k == 3:
-        v3 = _fused3(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-        for i in range(m):
-            for t in range(3):
-                out[t, r0 + i] = v3[3 * i + t]
+        _fused_span3(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
     else:
-        v4 = _fused4(kind, raw, lut, xq, xcorr, dx, dxs, r0)
-        for i in range(m):
-            for t in range(4):
-                out[t, r0 + i] = v4[4 * i + t]
+        _fused_span4(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -348,12 +377,10 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     if k == 0:
         return
     if k <= Q8_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
-        R = FUSED_ROWS
-        n_tiles = (n_out + R - 1) // R
-        per_task = _Q8_ROWS_PER_TASK // R
-        for c in prange((n_tiles + per_task - 1) // per_task):
-            for tile in range(c * per_task, min(n_tiles, (c + 1) * per_task)):
-                _fused_tile(kind, raw, lut, xq, xcorr, dx, dxs, R * tile, out)
+        per = _Q8_ROWS_PER_TASK  # a multiple of FUSED_ROWS
+        for c in prange((n_out + per - 1) // per):
+            _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, c * per, min(n_out, c * per + per),
+                        out)
         return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
