@@ -714,10 +714,10 @@ def _matmul(kind, raw, lut, x, out):
 # layout, lane i = sub-block i % 8 of super-block i // 8, 8 chunks; _emit_unpack_pair,
 # _prep_act_k_pair): 8 vpdpbusd, then the same 3 float operations for 512 values instead of 256
 # (the tiles measured 20% faster). An odd last super-block leaves the pair's second half zero.
-# * k <= 4 (decode, short drafts): FUSED_K{k}_* unpack K_FUSED_ROWS rows (one: one ascending
-#   stream per thread) super-block by super-block in registers and dot them with the k tokens
-#   at once, no scratch (from k = 5 the tiles win).
-# * k >= 5: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
+# * k <= 8 (decode, short drafts and verifies): FUSED_K{k}_* unpack K_FUSED_ROWS rows (one:
+#   one ascending stream per thread) super-block by super-block in registers and dot them with
+#   up to 4 tokens at once, no scratch (5 to 8 tokens in two passes).
+# * k >= 9: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
 #   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
 #   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
 #   _QK_RUN_GROUPS super-blocks at a time (the run's unpacked weights stay in L1; half as many
@@ -728,8 +728,10 @@ _QK_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once pe
 #: 128 and 512, 1 thread: blocks of 16-64 tokens and runs of 4-64 are within 5%; without token
 #: blocks, runs sized so all the tokens' activations fit 64 KiB lost 10-25% at k >= 128)
 _QK_TOKEN_BLOCK = 32
-#: up to this many tokens the fused kernels run (see above)
-_QK_FUSED_TOKENS = 4
+#: up to this many tokens the fused kernels run (see above): 5 to 8 in two passes, 4 tokens and
+#: the rest, over blocks of _QK_SPLIT_ROWS rows (in L1 for the second pass)
+_QK_FUSED_TOKENS = 8
+_QK_SPLIT_ROWS = 4
 _QK_RUN_GROUPS = 16
 
 
@@ -929,12 +931,8 @@ def _fused_k_span4(kind, raw, lut, xq, dx, dxs, s, r0, r1, out):
 
 
 @njit(cache=True)
-def _fused_k_span(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out):
-    """out[s + t, r] for tokens s..s+k-1 (k <= 4) and rows r0..r1-1: one fused call per
-    K_FUSED_ROWS rows, each row unpacked once for all k tokens; one token over short rows
-    (under K_SHORT_ROW_BYTES) K_SHORT_ROWS rows per call. The kind and k are chosen once per
-    span, so each loop runs one kernel, whose setup LLVM hoists out of it (as legacy's
-    _fused_span)."""
+def _fused_k_span_few(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out):
+    # tokens s..s+k-1 (k <= 4) of _fused_k_span
     if k == 1 and raw.shape[1] < K_SHORT_ROW_BYTES:
         _fused_k_span1s(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
     elif k == 1:
@@ -945,6 +943,23 @@ def _fused_k_span(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out):
         _fused_k_span3(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
     else:
         _fused_k_span4(kind, raw, lut, xq, dx, dxs, s, r0, r1, out)
+
+
+@njit(cache=True)
+def _fused_k_span(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out):
+    """out[s + t, r] for tokens s..s+k-1 (k <= 8) and rows r0..r1-1: one fused call per
+    K_FUSED_ROWS rows, each row unpacked once for up to 4 tokens; one token over short rows
+    (under K_SHORT_ROW_BYTES) K_SHORT_ROWS rows per call. The kind and k are chosen once per
+    span, so each loop runs one kernel, whose setup LLVM hoists out of it (as legacy's
+    _fused_span). 5 to 8 tokens take two passes, 4 tokens and the rest, over blocks of
+    _QK_SPLIT_ROWS rows: the second pass finds the rows in L1."""
+    if k <= 4:
+        _fused_k_span_few(kind, raw, lut, xq, dx, dxs, s, k, r0, r1, out)
+        return
+    for b in range(r0, r1, _QK_SPLIT_ROWS):
+        e = min(r1, b + _QK_SPLIT_ROWS)
+        _fused_k_span4(kind, raw, lut, xq, dx, dxs, s, b, e, out)
+        _fused_k_span_few(kind, raw, lut, xq, dx, dxs, s + 4, k - 4, b, e, out)
 
 
 @njit(cache=True)
