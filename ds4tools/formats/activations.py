@@ -13,7 +13,7 @@ activations, and the products built on them, do not depend on the batch it came 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit, prange
@@ -39,6 +39,9 @@ class QuantizedActivations:
     q: np.ndarray      # int8 (k, n)
     d: np.ndarray      # float32 (k, n // block)
     sums: np.ndarray   # int32 (k, n // 32) for Q8_0, (k, n // 16) for Q8_K
+    #: the kernels' own layouts of these rows, made once per layout by the matmuls that read
+    #: them (q, k, v and gate, up share their input) and kept here: layout key -> arrays
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rows(self) -> int:

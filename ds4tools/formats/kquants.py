@@ -1107,14 +1107,20 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
                         out[t0 + tt, r0 + i] = KSUM(acc, tt * R + i)
 
 
-def _cpu_matmul_q8_k(kind, raw, act, out):
+def _act_layout_k(kind, act):
+    """(xq, dx, dxs): the Q8_K activations ``act`` as _matmul_q8_kg takes them for ``kind``,
+    made once per layout and kept on act (see QuantizedActivations)."""
     k, n = act.q.shape
-    if 0 < k <= NATURAL_TOKENS[kind] and NATURAL_FEW:
-        _matmul_q8_k_natural(kind, raw, FP16_TO_FP32, act.q, act.d, act.sums, out)
-        return
+    if K_PAIRED[kind]:
+        grouped = k <= _QK_FUSED_TOKENS  # the fused kernels read x in the group layout
+        key = ("k-pair", grouped)
+    else:
+        key = ("k", bool(K_AFFINE[kind]))
+    got = act.layouts.get(key)
+    if got is not None:
+        return got
     if K_PAIRED[kind]:
         n_pairs = (n // QK_K + 1) // 2
-        grouped = k <= _QK_FUSED_TOKENS  # the fused kernels read x in the group layout
         xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
         dx = np.empty((k, 16 * n_pairs), np.float32)
         dxs = np.empty((k, 16 * n_pairs), np.float32)
@@ -1124,6 +1130,16 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
         dx = np.empty((k, n // QK_K), np.float32)
         dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
         _prep_act_k(act.q, act.d, act.sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
+    got = act.layouts[key] = (xq, dx, dxs)
+    return got
+
+
+def _cpu_matmul_q8_k(kind, raw, act, out):
+    k, n = act.q.shape
+    if 0 < k <= NATURAL_TOKENS[kind] and NATURAL_FEW:
+        _matmul_q8_k_natural(kind, raw, FP16_TO_FP32, act.q, act.d, act.sums, out)
+        return
+    xq, dx, dxs = _act_layout_k(kind, act)
     _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK)
 
 

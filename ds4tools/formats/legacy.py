@@ -195,24 +195,32 @@ def _unpack_row_q8(kind, rr, lut, u, dw, m, tail):
 
 
 @njit(cache=True)
-def _prep_act_q8(q, d, sums, offset, xq, xcorr, dx, dxs):
-    # Activations once per call, zero-padded to xq's width: quants in _int8dot's group layout
-    # (value 4c + e of block 16g + i at byte 512g + 64c + 4i + e), per block the weight offset
-    # times sum(q), d and d * sum(q).
-    k, n = q.shape
-    nb = n // QK
-    xq[:, :] = 0
+def _prep_scales_q8(d, sums, offset, xcorr, dx, dxs):
+    # per block the weight offset times sum(q), d and d * sum(q), zero-padded to xcorr's width
+    k, nb = d.shape
     xcorr[:, :] = 0
     dx[:, :] = 0
     dxs[:, :] = 0
     for t in range(k):
         for b in range(nb):
-            base = (b // GROUP_BLOCKS) * GROUP_BYTES + 4 * (b % GROUP_BLOCKS)
-            for j in range(QK):
-                xq[t, base + 64 * (j >> 2) + (j & 3)] = q[t, b * QK + j]
             xcorr[t, b] = offset * sums[t, b]
             dx[t, b] = d[t, b]
             dxs[t, b] = d[t, b] * np.float32(sums[t, b])
+
+
+@njit(cache=True)
+def _prep_act_q8(q, d, sums, offset, xq, xcorr, dx, dxs):
+    """Activations once per call, zero-padded to xq's width: quants in _int8dot's group layout
+    (value 4c + e of block 16g + i at byte 512g + 64c + 4i + e), and _prep_scales_q8's."""
+    k, n = q.shape
+    nb = n // QK
+    xq[:, :] = 0
+    for t in range(k):
+        for b in range(nb):
+            base = (b // GROUP_BLOCKS) * GROUP_BYTES + 4 * (b % GROUP_BLOCKS)
+            for j in range(QK):
+                xq[t, base + 64 * (j >> 2) + (j & 3)] = q[t, b * QK + j]
+    _prep_scales_q8(d, sums, offset, xcorr, dx, dxs)
 
 
 @njit(cache=True)
@@ -429,30 +437,50 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
                         out[t0 + t, r1] = v1
 
 
-def matmul_q8_tiles(kind, raw, act, out):
-    """out (k, n_out) = the int8-activation product of raw weight rows of ``kind`` (see above)
-    and the quantized activations act (Q8_0; Q8_K for IQ2_XXS, whose scale per 256 and sums
-    of 16 are handed to the tiles per 32-block)."""
+def _act_layout_q8(kind, act):
+    """(xq, xcorr, dx, dxs): the activations ``act`` as _matmul_q8 takes them for ``kind``,
+    made once per layout and weight offset and kept on act (see QuantizedActivations)."""
     k, n = act.q.shape
+    fused = k <= Q8_FUSED_TOKENS
+    layout = ("natural" if fused and kind in FUSED_NATURAL else
+              "quad" if fused and kind in FUSED_QUAD else
+              "slots" if kind in FUSED_SLOTS else "group")
+    key = ("q8", layout, WEIGHT_OFFSET[kind])
+    got = act.layouts.get(key)
+    if got is not None:
+        return got
     d, sums = act.d, act.sums
     if act.kind == "Q8_K":
         d = np.repeat(d, n // d.shape[1] // QK, axis=1)
         sums = sums.reshape(k, n // QK, 2).sum(axis=2, dtype=np.int32)
     nb_pad = -(-(n // QK) // GROUP_BLOCKS) * GROUP_BLOCKS
-    xq = np.empty((k, nb_pad * QK), np.int8)
     xcorr = np.empty((k, nb_pad), np.int32)
     dx = np.empty((k, nb_pad), np.float32)
     dxs = np.empty((k, nb_pad), np.float32)
-    _prep_act_q8(act.q, d, sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
-    if k <= Q8_FUSED_TOKENS and kind in FUSED_NATURAL:  # the fused kernel reads the natural order
-        xq[:, :] = 0
-        xq[:, :n] = act.q
-    elif k <= Q8_FUSED_TOKENS and kind in FUSED_QUAD:  # ... or the quad order (see _int8dot)
-        xn = np.zeros((k, nb_pad * QK), np.int8)
-        xn[:, :n] = act.q
-        xq[:, :] = xn.reshape(k, -1, 4, 4, 2, 16).transpose(0, 1, 2, 4, 3, 5).reshape(k, -1)
-    elif kind in FUSED_SLOTS:  # ... or the slot order (IQ2_XXS, for its tiles too)
-        _slot_order_q8(act.q, xq)
+    if layout in ("natural", "quad"):  # the fused kernels read the natural or the quad order
+        _prep_scales_q8(d, sums, WEIGHT_OFFSET[kind], xcorr, dx, dxs)
+        if n == nb_pad * QK and layout == "natural":
+            xq = act.q  # whole groups: as it is
+        else:
+            xq = np.zeros((k, nb_pad * QK), np.int8)
+            xq[:, :n] = act.q
+            if layout == "quad":  # (see _int8dot)
+                xq = np.ascontiguousarray(
+                    xq.reshape(k, -1, 4, 4, 2, 16).transpose(0, 1, 2, 4, 3, 5).reshape(k, -1))
+    else:
+        xq = np.empty((k, nb_pad * QK), np.int8)
+        _prep_act_q8(act.q, d, sums, WEIGHT_OFFSET[kind], xq, xcorr, dx, dxs)
+        if layout == "slots":  # the slot order (IQ2_XXS, for its tiles too)
+            _slot_order_q8(act.q, xq)
+    got = act.layouts[key] = (xq, xcorr, dx, dxs)
+    return got
+
+
+def matmul_q8_tiles(kind, raw, act, out):
+    """out (k, n_out) = the int8-activation product of raw weight rows of ``kind`` (see above)
+    and the quantized activations act (Q8_0; Q8_K for IQ2_XXS, whose scale per 256 and sums
+    of 16 are handed to the tiles per 32-block)."""
+    xq, xcorr, dx, dxs = _act_layout_q8(kind, act)
     _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
 
 
