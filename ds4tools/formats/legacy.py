@@ -29,8 +29,9 @@ from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE
                        FUSED2_Q4_1, FUSED2_Q5_0, FUSED2_Q5_1, FUSED2_Q8_0, FUSED3_IQ2_XXS,
                        FUSED3_IQ4_NL, FUSED3_Q4_0, FUSED3_Q4_1, FUSED3_Q5_0, FUSED3_Q5_1,
                        FUSED3_Q8_0, FUSED4_IQ2_XXS, FUSED4_IQ4_NL, FUSED4_Q4_0, FUSED4_Q4_1,
-                       FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED_NATURAL,
-                       FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
+                       FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED8_IQ2_XXS, FUSED8_IQ4_NL,
+                       FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0,
+                       FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
                        UNPACK_Q8_0, WEIGHT_OFFSET)
@@ -153,10 +154,12 @@ KIND_IQ4_NL = 5
 #: 0.29)
 INT8_MIN_ROW_FUSED = 8 * QK
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
-#: up to this many tokens (decoding, a drafter's step, a short verify) take the fused kernels,
-#: each row unpacked once for all of them (Zen 4, Q8_0 2816x1024 from DRAM, 2 threads, k = 4:
-#: 200 us against 250-450 us for the tiles, 140-150 us at k = 1); the tiles from 5 on
-Q8_FUSED_TOKENS = 4
+#: up to this many tokens (decoding, a drafter's step, a verify) take the fused kernels, each
+#: row unpacked once for all of them (Zen 4, Q8_0 2816x1024 from DRAM, 2 threads, k = 4:
+#: 200 us against 250-450 us for the tiles, 140-150 us at k = 1); 5 to 8 the 8-token kernels
+#: (AVX-512 VNNI host, 2816x1024 / 1024x2816 x 24 from DRAM, 2 threads, k = 8 against the
+#: tiles: Q8_0 1.1-1.3x, Q4_0 1.25-1.7x, IQ4_NL 1.3-1.6x); the tiles from 9 on
+Q8_FUSED_TOKENS = 8
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 _Q8_TOKEN_BLOCK = 32  # tokens per block: see _matmul_q8
 
@@ -348,8 +351,43 @@ def _fused_span4(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
 
 
 @njit(cache=True)
+def _put8(v, k, r, out):
+    # the first k of a FUSED8 call's 8 values (one row) into out[:k, r]
+    for t in range(k):
+        out[t, r] = v[t]
+
+
+@njit(cache=True)
+def _fused_span8(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
+    # 5 to 8 tokens: one row per call, the tokens past the last read as the last and dropped
+    n = raw.shape[0]
+    k = out.shape[0]
+    if kind == _Q8_KIND_Q8_0:
+        for r in range(r0, r1):
+            _put8(FUSED8_Q8_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    elif kind == 0:
+        for r in range(r0, r1):
+            _put8(FUSED8_Q4_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    elif kind == 1:
+        for r in range(r0, r1):
+            _put8(FUSED8_Q4_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    elif kind == 2:
+        for r in range(r0, r1):
+            _put8(FUSED8_Q5_0(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    elif kind == 3:
+        for r in range(r0, r1):
+            _put8(FUSED8_Q5_1(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    elif kind == KIND_IQ2_XXS:
+        for r in range(r0, r1):
+            _put8(FUSED8_IQ2_XXS(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+    else:
+        for r in range(r0, r1):
+            _put8(FUSED8_IQ4_NL(raw, lut, xq, xcorr, dx, dxs, 0, r, n), k, r, out)
+
+
+@njit(cache=True)
 def _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
-    """out[t, r] for all k <= 4 tokens and rows r0..r1-1: one fused call per FUSED_ROWS rows,
+    """out[t, r] for all k <= 8 tokens and rows r0..r1-1: one fused call per FUSED_ROWS rows,
     each row unpacked once for all k tokens. The kind and k are chosen once per span, so each
     loop runs one kernel, whose setup LLVM hoists out of it (chosen per row, the setup ran per
     row: 1024-wide Q8_0 rows went 2.5x slower)."""
@@ -360,8 +398,10 @@ def _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
         _fused_span2(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
     elif k == 3:
         _fused_span3(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
-    else:
+    elif k == 4:
         _fused_span4(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
+    else:
+        _fused_span8(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
