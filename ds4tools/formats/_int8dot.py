@@ -94,6 +94,17 @@ def _route(context, small):
     return "generic"
 
 
+def _clamped(builder, start, count, last):
+    """The indices start .. start + count - 1, each clamped to ``last``: the weight rows or
+    activation rows a fused kernel reads (those past the last repeat it; their results are
+    not written)."""
+    out = []
+    for i in range(count):
+        v = builder.add(start, _const(i))
+        out.append(builder.select(builder.icmp_signed("<", v, last), v, last))
+    return out
+
+
 def _avx2_fns(builder):
     """AVX2's vpmaddubsw, vpmaddwd and vpsignb (256-bit) and the int16 ones vpmaddwd sums
     pairs with."""
@@ -526,19 +537,13 @@ def _make_fused(kind, n_rows, n_toks):
             nfull = builder.udiv(nb, _const(GROUP_BLOCKS))
             rem = builder.urem(nb, _const(GROUP_BLOCKS))
             last = builder.sub(n, _const(1))
-            rps = []
-            for i in range(n_rows):
-                r = builder.add(r0, _const(i))
-                r = builder.select(builder.icmp_signed("<", r, last), r, last)
-                rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
-            # tokens past the activations' last are read as the last (their sums are dropped):
-            # FUSED8 serves 5 to 8 tokens
+            rps = [_row_ptr(context, builder, sig.args[0], args[0], r)
+                   for r in _clamped(builder, r0, n_rows, last)]
+            # tokens past the activations' last are read as the last (FUSED8 serves 5 to 8)
             xa = context.make_array(sig.args[2])(context, builder, args[2])
             last_t = builder.sub(builder.extract_value(xa.shape, 0), _const(1))
-            tis = [builder.add(t0, _const(t)) for t in range(n_toks)]
-            tis = [builder.select(builder.icmp_signed("<", ti, last_t), ti, last_t) for ti in tis]
             toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti)
-                          for a in (2, 3, 4, 5)) for ti in tis]
+                          for a in (2, 3, 4, 5)) for ti in _clamped(builder, t0, n_toks, last_t)]
             zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
 
             def group(g, accs, nvalid):
@@ -633,8 +638,10 @@ FUSED3_Q4_0, FUSED3_Q4_1, FUSED3_Q5_0, FUSED3_Q5_1, FUSED3_Q8_0, FUSED3_IQ4_NL =
     _make_fused(k, FUSED_ROWS, 3) for k in range(6))
 FUSED4_Q4_0, FUSED4_Q4_1, FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED4_IQ4_NL = (
     _make_fused(k, FUSED_ROWS, 4) for k in range(6))
+#: 5 to 8 tokens: one row per call whatever FUSED_ROWS (legacy._fused_span8 steps one row and
+#: keeps the first k of the 8 values)
 FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0, FUSED8_IQ4_NL = (
-    _make_fused(k, FUSED_ROWS, 8) for k in range(6))
+    _make_fused(k, 1, 8) for k in range(6))
 
 
 # --- IQ2_XXS: a group is two super-blocks (16 blocks of 32, 132 raw bytes) ----------------------
@@ -865,7 +872,7 @@ FUSED1_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 1)
 FUSED2_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 2)
 FUSED3_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 3)
 FUSED4_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 4)
-FUSED8_IQ2_XXS = _make_fused(KIND_IQ2_XXS, FUSED_ROWS, 8)
+FUSED8_IQ2_XXS = _make_fused(KIND_IQ2_XXS, 1, 8)  # one row per call, as FUSED8_* above
 
 
 # --- float decoding of one row (the exact float32 matmuls of Q4_0, Q4_1, Q5_0, Q5_1) -----------
@@ -1452,18 +1459,12 @@ def _make_fused_k(kind, n_rows, n_toks):
             xa = context.make_array(sig.args[2])(context, builder, args[2])
             nsb = builder.udiv(builder.extract_value(xa.shape, 1), _const(KGROUP_BYTES))
             last = builder.sub(n, _const(1))
-            rps = []
-            for i in range(n_rows):
-                r = builder.add(r0, _const(i))
-                r = builder.select(builder.icmp_signed("<", r, last), r, last)
-                rps.append(_row_ptr(context, builder, sig.args[0], args[0], r))
-            # tokens past the activations' last are read as the last (their sums are dropped):
-            # FUSED_K8 serves 5 to 8 tokens
+            rps = [_row_ptr(context, builder, sig.args[0], args[0], r)
+                   for r in _clamped(builder, r0, n_rows, last)]
+            # tokens past the activations' last are read as the last (FUSED_K8 serves 5 to 8)
             last_t = builder.sub(builder.extract_value(xa.shape, 0), _const(1))
-            tis = [builder.add(t0, _const(t)) for t in range(n_toks)]
-            tis = [builder.select(builder.icmp_signed("<", ti, last_t), ti, last_t) for ti in tis]
-            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti) for a in (2, 3, 4))
-                    for ti in tis]
+            toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti)
+                          for a in (2, 3, 4)) for ti in _clamped(builder, t0, n_toks, last_t)]
             zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
             pf = _prefetcher(context, builder, sig.args[0], args[0], rps, ts)
 
@@ -1572,7 +1573,8 @@ FUSED_K3_Q2_K, FUSED_K3_Q3_K, FUSED_K3_Q4_K, FUSED_K3_Q5_K, FUSED_K3_Q6_K = (
 FUSED_K4_Q2_K, FUSED_K4_Q3_K, FUSED_K4_Q4_K, FUSED_K4_Q5_K, FUSED_K4_Q6_K = (
     _make_fused_k(k, K_FUSED_ROWS, 4) for k in range(5))
 #: 5 to 8 tokens in one pass (the tokens past the last read as the last and dropped): on the
-#: AVX-512 VNNI host 1.25-1.8x two passes of 4 and the rest, the same bits
+#: AVX-512 VNNI host 1.25-1.8x two passes of 4 and the rest, the same bits. One row per call
+#: whatever K_FUSED_ROWS (kquants._fused_k_span8 steps one row and keeps the first k values)
 FUSED_K8_Q2_K, FUSED_K8_Q3_K, FUSED_K8_Q4_K, FUSED_K8_Q5_K, FUSED_K8_Q6_K = (
-    _make_fused_k(k, K_FUSED_ROWS, 8) for k in range(5))
+    _make_fused_k(k, 1, 8) for k in range(5))
 # === end of the K-quants section ===
