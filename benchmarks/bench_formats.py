@@ -7,14 +7,21 @@ For each format and matrix size it prints, measured in this process (best of --r
   ggml_quantize_chunk with the rows split over 2 Python threads; ctypes drops the GIL);
 * a matrix-vector product (one token): our fused kernel, and the int8-activation path where the
   format has one, against numpy's float32 BLAS on the already dequantized matrix, and the GB/s
-  of weight bytes each reads next to a numpy memory copy measured at the start of the run;
-  then the verify cost r(k) = time(k rows) / time(1 row) of the int8 path for k = 2, 4, 8, 16.
+  of weight bytes each reads next to a numpy memory copy measured at the start of the run
+  (a buffer four times the last-level cache, so it comes from memory); the mat-vec is timed
+  twice: on one matrix called again and again (from cache where it fits) and cycling through
+  copies of it that together fill twice the last-level cache (from memory, as a decoding step
+  reads a model larger than the cache); then the verify cost r(k) = time(k rows) / time(1 row)
+  of the int8 path for k = 2, 4, 8, 16.
+
+``--matvec-only`` skips the quantize / dequantize baselines (ggml, gguf-py).
 
 Ratios are "times faster than the baseline" (> 1 means we are faster).
 
     python benchmarks/bench_formats.py                      # all formats, 4096x4096 and 4096x14336
     python benchmarks/bench_formats.py --formats Q4_K,IQ2_XXS --sizes 4096x4096 --repeat 5
     python benchmarks/bench_formats.py --quick              # small sizes, a smoke run
+    python benchmarks/bench_formats.py --sizes 4096x14336 --matvec-only
 """
 from __future__ import annotations
 
@@ -124,7 +131,22 @@ def _ratio(baseline: float | None, ours: float) -> str:
     return "   n/a" if baseline is None else f"{baseline / ours:6.2f}x"
 
 
-def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps: float) -> list[str]:
+def matvec_from_memory(raw: np.ndarray, name: str, shape, vec, int8: bool, repeat: int,
+                       cache_bytes: int) -> tuple[float, int]:
+    """(seconds per mat-vec, copies): the mat-vec over copies of ``raw`` filling twice
+    ``cache_bytes``, one after another, so that each call reads its matrix from memory."""
+    copies = max(2, -(-2 * cache_bytes // raw.nbytes))
+    mats = [raw.copy() for _ in range(copies)]
+
+    def sweep():
+        for m in mats:
+            formats.matmul(m, name, shape, vec, int8=int8)
+
+    return best_time(sweep, repeat) / copies, copies
+
+
+def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps: float,
+              matvec_only: bool = False, cache_bytes: int = 0) -> list[str]:
     f = formats.FORMATS[name]
     if n % f.block_size:
         return [f"{name:8s} {rows}x{n}: skipped (row length not a multiple of {f.block_size})"]
@@ -139,11 +161,11 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
         nonlocal raw
         raw = formats.quantize(x, name, imatrix=imatrix)
 
-    tq = best_time(ours_q, repeat)
-    gq = gguf_py_op(name, "quantize")
+    tq = best_time(ours_q, 1 if matvec_only else repeat)
+    gq = None if matvec_only else gguf_py_op(name, "quantize")
     tq_gguf = best_time(lambda: gq(x), repeat) if gq else None
     tq_ggml = None
-    if ggml is not None:
+    if ggml is not None and not matvec_only:
         ggml_quantize_threads(ggml, warm, name, imatrix, GGML_THREADS)
         tq_ggml = best_time(lambda: ggml_quantize_threads(ggml, x, name, imatrix, GGML_THREADS),
                             repeat)
@@ -155,8 +177,8 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
         nonlocal w_deq
         w_deq = formats.dequantize(raw, name, x.shape)
 
-    tdq = best_time(ours_dq, repeat)
-    gdq = gguf_py_op(name, "dequantize")
+    tdq = best_time(ours_dq, 1 if matvec_only else repeat)
+    gdq = None if matvec_only else gguf_py_op(name, "dequantize")
     tdq_gguf = best_time(lambda: gdq(raw), max(1, min(repeat, 2))) if gdq else None
 
     vec = rng.standard_normal((1, n)).astype(np.float32)
@@ -170,6 +192,10 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
     w_t = np.ascontiguousarray(w_deq)
     t_blas = best_time(lambda: vec @ w_t.T, mv_repeat)
     t_fast = t_mv8 if t_mv8 is not None else t_mv
+    t_mem = copies = None
+    if cache_bytes:
+        t_mem, copies = matvec_from_memory(raw, name, x.shape, vec, t_mv8 is not None, repeat,
+                                           cache_bytes)
     r_k = {}
     for k in (2, 4, 8, 16):
         xk = rng.standard_normal((k, n)).astype(np.float32)
@@ -188,7 +214,9 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
         + (f", int8 {_ratio(t_blas, t_mv8)}" if t_mv8 is not None else ""),
         f"{'':8s} {'':{len(f'{rows}x{n}')}}  matvec weights read at {raw.nbytes / t_fast / 1e9:6.2f} GB/s"
         f" = {raw.nbytes / t_fast / 1e9 / memcpy_gbps:4.2f} x memcpy ({'int8' if t_mv8 is not None else 'f32'});"
-        f"  r(k) " + " ".join(f"{k}:{v:.2f}" for k, v in r_k.items()),
+        + (f" from memory ({copies} copies cycled) {raw.nbytes / t_mem / 1e9:6.2f} GB/s"
+           f" = {raw.nbytes / t_mem / 1e9 / memcpy_gbps:4.2f} x memcpy;" if t_mem else "")
+        + "  r(k) " + " ".join(f"{k}:{v:.2f}" for k, v in r_k.items()),
     ]
     return lines
 
@@ -201,6 +229,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="take the best of this many runs")
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes ({QUICK_SIZES}) and one run: a smoke test")
+    p.add_argument("--cache-mib", type=int, default=None,
+                   help="the last-level cache size to plan the from-memory runs for (default: "
+                        "this machine's, from sysfs; 0: no from-memory runs)")
+    p.add_argument("--matvec-only", action="store_true",
+                   help="time the mat-vecs only (no quantize / dequantize baselines)")
     args = p.parse_args(argv)
     names = list(formats.FORMATS) if not args.formats else [
         formats.get_format(s).name for s in args.formats.split(",") if s.strip()]
@@ -210,14 +243,22 @@ def main(argv=None) -> int:
     from numba import get_num_threads
     print(f"# ds4tools formats benchmark: numba threads {get_num_threads()}, best of {repeat}; "
           f"ggml baseline: {'ggml_quantize_chunk on %d threads' % GGML_THREADS if ggml else 'ggml-python not installed'}")
-    from ds4tools.bench.measure import memcpy_bandwidth
-    memcpy_gbps = memcpy_bandwidth(1 << 26 if args.quick else 1 << 28)
-    print(f"# numpy memory copy: {memcpy_gbps:.1f} GB/s (bytes read per second, this run)")
+    from ds4tools.bench.measure import last_level_cache_bytes, memcpy_bandwidth
+    if args.cache_mib is not None:
+        cache_bytes = max(0, args.cache_mib) << 20
+    else:
+        cache_bytes = 0 if args.quick else last_level_cache_bytes()
+    copy_bytes = max(1 << 26 if args.quick else 1 << 28, 4 * cache_bytes)
+    memcpy_gbps = memcpy_bandwidth(copy_bytes)
+    print(f"# numpy memory copy: {memcpy_gbps:.1f} GB/s (bytes read per second, this run, "
+          f"{copy_bytes >> 20} MiB"
+          + (f"; last-level cache {cache_bytes >> 20} MiB)" if cache_bytes else ")"))
     print("# ratios: times faster than the baseline (> 1: ours is faster)")
     rng = np.random.default_rng(0)
     for rows, n in sizes:
         for name in names:
-            for line in bench_one(name, rows, n, repeat, ggml, rng, memcpy_gbps):
+            for line in bench_one(name, rows, n, repeat, ggml, rng, memcpy_gbps,
+                                  args.matvec_only, cache_bytes):
                 print(line, flush=True)
     return 0
 

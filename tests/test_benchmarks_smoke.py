@@ -22,6 +22,18 @@ def test_bench_formats_quick_run(capsys):
     assert "vs ggml 2-thread" in out and "# numpy memory copy:" in out
 
 
+def test_bench_formats_matvec_from_memory(capsys):
+    # --cache-mib 1: copies of the matrix that fill 2 MiB, so the path runs on a tiny matrix
+    main = runpy.run_path(str(BENCH), run_name="bench_formats")["main"]
+    assert main(["--quick", "--sizes", "64x512", "--formats", "Q4_K,F16", "--matvec-only",
+                 "--cache-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    read = [line for line in out.splitlines() if "matvec weights read at" in line]
+    assert len(read) == 2 and all("copies cycled)" in line and line.count("x memcpy") == 2
+                                  for line in read), out
+    assert "last-level cache 1 MiB" in out
+
+
 def test_bench_formats_rejects_a_bad_size():
     main = runpy.run_path(str(BENCH), run_name="bench_formats")["main"]
     try:

@@ -7,6 +7,7 @@ function takes an ``Engine`` (or anything with its ``forward`` / ``cache`` / ``m
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -20,6 +21,28 @@ def best_of(fn, repeat: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def last_level_cache_bytes(default: int = 64 << 20) -> int:
+    """The largest CPU cache of this machine in bytes, from sysfs (``default`` where unknown):
+    a buffer several times this size is read from memory, not from cache."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return default
+    for name in names:
+        try:
+            with open(os.path.join(base, name, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or default
 
 
 def memcpy_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> float:
