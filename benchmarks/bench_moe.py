@@ -20,6 +20,16 @@ their measurements (``--rounds N``, default 5), printing the medians of the per-
     python benchmarks/bench_moe.py                   # make the model if missing, 2 threads
     python benchmarks/bench_moe.py --rounds 3 --repeat 3
     python benchmarks/bench_moe.py --quick           # a tiny model (smoke run)
+
+``--nextn`` adds one NextN (MTP) layer after the 19 blocks, as GLM-4.5's files carry it (a MoE
+layer plus eh_proj and its norms; llama.cpp loads it and does not run it), in a file of its
+own; with it the comparison is followed by ``ds4tools bench --glm-mtp`` on that file: the MTP
+sweep's verify cost r, draft cost c and measured speedup. The head's weights are random, so it
+almost never agrees with the target: the measured speedup is the cost of drafting when nothing
+is accepted. ``--alpha A`` prints, from each setting's measured verify cost r (at k = N + 1)
+and draft cost c (the N chained head steps), the speedup a head accepting each draft with
+probability A would give: tau / (r + c), tau = 1 + A + ... + A^N (say where A comes from: a
+trained head on another target).
 """
 from __future__ import annotations
 
@@ -48,7 +58,7 @@ FULL = dict(n_layer=19, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_rot=
             n_vocab=32000)
 QUICK = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, n_ff=512,
              n_expert=16, n_expert_used=4, n_ff_exp=256, n_expert_shared=1, n_dense_lead=1,
-             n_vocab=2048)
+             n_vocab=2048, n_nextn=0)
 
 
 # --- the synthetic model ----------------------------------------------------------------------
@@ -59,7 +69,7 @@ def tensor_shapes(cfg) -> dict:
     H, Q, KV = cfg["n_embd"], cfg["n_head"] * cfg["head_dim"], cfg["n_head_kv"] * cfg["head_dim"]
     E, F = cfg["n_expert"], cfg["n_ff_exp"]
     s = {"token_embd.weight": (cfg["n_vocab"], H)}
-    for il in range(cfg["n_layer"]):
+    for il in range(cfg["n_layer"] + cfg["n_nextn"]):
         p = f"blk.{il}."
         s.update({p + "attn_norm.weight": (H,), p + "attn_q.weight": (Q, H), p + "attn_q.bias": (Q,),
                   p + "attn_k.weight": (KV, H), p + "attn_k.bias": (KV,),
@@ -75,6 +85,9 @@ def tensor_shapes(cfg) -> dict:
                       p + "ffn_down_exps.weight": (E, H, F),
                       p + "ffn_gate_shexp.weight": (S, H), p + "ffn_up_shexp.weight": (S, H),
                       p + "ffn_down_shexp.weight": (H, S)})
+        if il >= cfg["n_layer"]:  # a NextN layer: the layer above plus its input projection
+            s.update({p + "nextn.eh_proj.weight": (H, 2 * H), p + "nextn.enorm.weight": (H,),
+                      p + "nextn.hnorm.weight": (H,), p + "nextn.shared_head_norm.weight": (H,)})
     s["output_norm.weight"] = (H,)
     s["output.weight"] = (cfg["n_vocab"], H)
     return s
@@ -94,7 +107,7 @@ def make_f16_model(path, cfg, seed=0) -> int:
     with GGUFStreamWriter(path, a) as w:
         for key, value, vtype in (
                 ("general.name", "bench-synthetic-glm4moe", V.STRING),
-                u32("block_count", cfg["n_layer"]), u32("context_length", 4096),
+                u32("block_count", cfg["n_layer"] + cfg["n_nextn"]), u32("context_length", 4096),
                 u32("embedding_length", cfg["n_embd"]), u32("feed_forward_length", cfg["n_ff"]),
                 u32("attention.head_count", cfg["n_head"]), u32("attention.head_count_kv", cfg["n_head_kv"]),
                 u32("attention.key_length", cfg["head_dim"]), u32("attention.value_length", cfg["head_dim"]),
@@ -106,7 +119,7 @@ def make_f16_model(path, cfg, seed=0) -> int:
                 u32("expert_feed_forward_length", cfg["n_ff_exp"]),
                 u32("leading_dense_block_count", cfg["n_dense_lead"]), u32("expert_gating_func", 2),
                 (f"{a}.expert_weights_norm", True, V.BOOL), (f"{a}.expert_weights_scale", 2.5, V.FLOAT32),
-                u32("nextn_predict_layers", 0),
+                u32("nextn_predict_layers", cfg["n_nextn"]),
                 ("general.file_type", 1, V.UINT32), ("tokenizer.ggml.model", "llama", V.STRING)):
             w.add_key(key, value, vtype)
         w.add_key("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
@@ -135,13 +148,14 @@ def make_f16_model(path, cfg, seed=0) -> int:
 
 
 def model_params(cfg) -> tuple[int, int]:
-    """(total parameters, parameters read per decoded token: every matrix but the embedding,
-    the experts counted top-k + shared)."""
+    """(total parameters, parameters read per decoded token: every matrix but the embedding
+    and the NextN layers, the experts counted top-k + shared)."""
     total = active = 0
+    nextn_blocks = tuple(f"blk.{il}." for il in range(cfg["n_layer"], cfg["n_layer"] + cfg["n_nextn"]))
     for name, shape in tensor_shapes(cfg).items():
         n = int(np.prod(shape))
         total += n
-        if name == "token_embd.weight":
+        if name == "token_embd.weight" or name.startswith(nextn_blocks):
             continue
         if "_exps" in name:
             n = n // cfg["n_expert"] * cfg["n_expert_used"]
@@ -152,7 +166,7 @@ def model_params(cfg) -> tuple[int, int]:
 def prepare_model(folder, cfg, log, mix="Q4_K_M") -> str:
     from ds4tools.quantize import QuantizeOptions, quantize_model
     os.makedirs(folder, exist_ok=True)
-    tag = "quick" if cfg is QUICK else "1b"
+    tag = ("quick" if cfg["n_layer"] == QUICK["n_layer"] else "1b") + ("-nextn" if cfg["n_nextn"] else "")
     out = os.path.join(folder, f"glm4moe-{tag}-{mix.lower()}.gguf")
     if os.path.exists(out):
         return out
@@ -180,8 +194,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/tmp/ds4tools-bench-moe", help="where the GGUFs are kept")
     ap.add_argument("--make-only", action="store_true", help="make the model and stop")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--nextn", action="store_true",
+                    help="the model with a NextN layer, then the --glm-mtp sweep on it")
+    ap.add_argument("--mtp-draft", default="1,2,3", help="the sweep's draft depths")
+    ap.add_argument("--alpha", type=float, default=None,
+                    help="also print the speedup a head accepting each draft with this "
+                         "probability would give, from the measured r and c")
     args = ap.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL, n_nextn=1 if args.nextn else 0)
     log = lambda m: print(m, flush=True)  # noqa: E731
     path = prepare_model(args.dir, cfg, log)
     total, active = model_params(cfg)
@@ -193,7 +213,42 @@ def main(argv=None) -> int:
                       n_prompt=n_prompt, n_decode=args.n_decode,
                       llama_cpp=not args.no_llama_cpp, log=log)
     log("SUMMARY " + json.dumps(summary))
+    if args.nextn:
+        mtp_sweep(path, args, n_prompt, log)
     return 0
+
+
+def predicted_speedup(alpha: float, n_draft: int, r_verify: float, c_draft: float) -> float:
+    """tau / (r + c): tau = 1 + alpha + ... + alpha^N tokens committed per verify forward when
+    each draft is accepted with probability alpha (once the one before it was); r and c per
+    step, in one-token forwards."""
+    tau = float(sum(alpha ** i for i in range(n_draft + 1)))
+    return tau / (r_verify + c_draft)
+
+
+def mtp_sweep(path, args, n_prompt, log) -> None:
+    """``ds4tools bench --glm-mtp`` on the NextN file (same threads, greedy), its table, and
+    with --alpha the predicted speedups from the measured r and c."""
+    from ds4tools.bench import BenchOptions, run_bench
+    from ds4tools.bench.report import render_table
+    opts = BenchOptions.from_cli(
+        model=path, n_prompt=str(n_prompt), n_gen=str(args.n_decode * 2), rk="1,2,3,4,5,6,7,8",
+        threads=args.threads, repeat=args.repeat, prompt=None, prompt_file=None, exact=False,
+        cache_type="f32", temp="0", seed=1234, mtp_file=None, glm_mtp=True, dspark=False,
+        mtp_draft=args.mtp_draft, mtp_margin=None, dspark_block_size=None,
+        dspark_confidence=None, dspark_strict=False, lookup=None)
+    doc = run_bench(opts)
+    log(render_table(doc))
+    for row in doc["spec"]:
+        n, st = row["params"]["mtp_draft"] or 1, row["stats"]
+        r, c = st["verify_cost_ratio"], st["draft_cost_ratio"]
+        line = (f"MTP N={n}: alpha {row['alpha']:.2f}, measured speedup {row['speedup']:.2f}, "
+                f"r {r:.2f}, c {c:.3f}, greedy tokens "
+                f"{'identical to' if row['matches_plain'] else 'DIFFERENT from'} plain decoding's")
+        if args.alpha is not None:
+            line += (f"; with alpha {args.alpha:.2f}: predicted speedup "
+                     f"{predicted_speedup(args.alpha, n, r, c):.2f}")
+        log(line)
 
 
 if __name__ == "__main__":

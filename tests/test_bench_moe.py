@@ -162,3 +162,25 @@ def test_bench_moe_smoke(tmp_path, capsys):
     assert sorted(int(k) for k in ours["r"]) == list(range(1, 9)) and ours["r"]["1"] == 1.0
     total, active = bm.model_params(bm.QUICK)
     assert 0 < ours["weight_bytes_per_token"] < total  # the used experts' bytes, not all
+
+
+def test_bench_moe_nextn_sweep(tmp_path, capsys):
+    # --nextn: the model with a NextN layer, then the --glm-mtp sweep (r, c, greedy identity)
+    bm = _bench_moe()
+    assert bm.main(["--quick", "--nextn", "--no-llama-cpp", "--rounds", "1", "--repeat", "1",
+                    "--n-decode", "4", "--mtp-draft", "1,2", "--alpha", "0.6",
+                    "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "glm4moe-quick-nextn-q4_k_m" in out
+    lines = [x for x in out.splitlines() if x.startswith("MTP N=")]
+    assert [x.split(":")[0] for x in lines] == ["MTP N=1", "MTP N=2"], out
+    assert all("identical to plain" in x and "predicted speedup" in x for x in lines), lines
+    total, active = bm.model_params(dict(bm.QUICK, n_nextn=1))
+    assert (total, active) != bm.model_params(bm.QUICK) and active == bm.model_params(bm.QUICK)[1]
+
+
+def test_bench_moe_predicted_speedup():
+    bm = _bench_moe()
+    assert bm.predicted_speedup(0.0, 3, 1.5, 0.5) == 1 / 2.0
+    assert bm.predicted_speedup(1.0, 2, 1.2, 0.3) == 3 / 1.5
+    assert abs(bm.predicted_speedup(0.5, 2, 1.0, 0.0) - 1.75) < 1e-12
