@@ -1,12 +1,18 @@
-"""Mixture-of-experts decoding speed: a synthetic ~1B glm4moe model, ours against llama.cpp.
+"""Mixture-of-experts decoding speed: a synthetic ~1B model of each MoE family, ours against
+llama.cpp.
 
 The model (made here, random weights, never committed; default folder /tmp/ds4tools-bench-moe):
-a glm4moe GGUF of ~1.04B parameters of which ~0.22B are read per token, as llama.cpp's
-Q4_K_M mix written by ds4tools' own writer and quantizer:
+a GGUF of ~1.04B parameters of which ~0.22B are read per token, as llama.cpp's Q4_K_M mix
+written by ds4tools' own writer and quantizer. ``--arch`` picks the family (default glm4moe):
 
-    19 layers, hidden 1024, 16 query / 4 kv heads of 64, rope over half the head,
-    layer 0 dense (ffn 2816), layers 1-18: 64 routed experts of width 256, top-8 by sigmoid
-    with the selection bias (normalised, scaled 2.5), one shared expert; vocab 32000
+    all: 19 layers, hidden 1024, 16 query heads, layer 0 dense (ffn 2816), layers 1-18: 64
+    routed experts of width 256, top-8 by sigmoid with the selection bias (normalised, scaled
+    2.5), one shared expert; vocab 32000
+    glm4moe: 4 kv heads of 64, rope over half the head, q / k / v biases
+    deepseek2: multi-head latent attention (q rank 512, kv rank 256, 64 + 32 rope dims per
+    head, values of 64), 8 expert groups of which 4 are used
+    glm-dsa: deepseek2's attention and experts (no groups) plus the DSA indexer (8 heads of 64,
+    top-256 positions, on every layer)
 
 Measured, each in its own child process (so each has its own peak RSS): prefill t/s of a
 512-token prompt, decode t/s (greedy steps after it), r(k) = time(forward of k tokens) /
@@ -20,6 +26,7 @@ their measurements (``--rounds N``, default 5), printing the medians of the per-
     python benchmarks/bench_moe.py                   # make the model if missing, 2 threads
     python benchmarks/bench_moe.py --rounds 3 --repeat 3
     python benchmarks/bench_moe.py --quick           # a tiny model (smoke run)
+    python benchmarks/bench_moe.py --arch deepseek2  # the same for DeepSeek V2/V3's layout
 
 ``--nextn`` adds one NextN (MTP) layer after the 19 blocks, as GLM-4.5's files carry it (a MoE
 layer plus eh_proj and its norms; llama.cpp loads it and does not run it), in a file of its
@@ -51,30 +58,42 @@ from ds4tools.gguf_io import GGUFStreamWriter  # noqa: E402
 sys.path.insert(0, HERE)
 from paired import compare  # noqa: E402
 
-ARCH = "glm4moe"
 #: ~1.04B parameters, ~0.22B read per token (the output matrix included, the embedding row not)
-FULL = dict(n_layer=19, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_rot=32, n_ff=2816,
-            n_expert=64, n_expert_used=8, n_ff_exp=256, n_expert_shared=1, n_dense_lead=1,
-            n_vocab=32000)
-QUICK = dict(n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_rot=32, n_ff=512,
-             n_expert=16, n_expert_used=4, n_ff_exp=256, n_expert_shared=1, n_dense_lead=1,
-             n_vocab=2048, n_nextn=0)
+FULL = dict(arch="glm4moe", n_layer=19, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_rot=32,
+            n_ff=2816, n_expert=64, n_expert_used=8, n_ff_exp=256, n_expert_shared=1,
+            n_dense_lead=1, n_vocab=32000, n_nextn=0)
+QUICK = dict(arch="glm4moe", n_layer=3, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_rot=32,
+             n_ff=512, n_expert=16, n_expert_used=4, n_ff_exp=256, n_expert_shared=1,
+             n_dense_lead=1, n_vocab=2048, n_nextn=0)
+#: latent attention (deepseek2, glm-dsa): ranks and head dims (rope dims: n_rot)
+MLA = dict(n_lora_q=512, n_lora_kv=256, n_nope=64, n_v=64, n_group=8, n_group_used=4)
+MLA_QUICK = dict(n_lora_q=256, n_lora_kv=256, n_nope=64, n_v=64, n_group=4, n_group_used=2)
+#: the DSA indexer (glm-dsa): heads, head dim (twice n_rot, as llama.cpp needs), top-k positions
+DSA = dict(n_group=0, n_group_used=0, idx_head=8, idx_dim=64, idx_top_k=256)
+ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
+
+
+def config(arch: str, quick: bool = False, nextn: bool = False) -> dict:
+    """The benchmark model of ``arch`` (one of ARCHS), full size or the smoke run's."""
+    cfg = dict(QUICK if quick else FULL, arch=arch, n_nextn=1 if nextn else 0)
+    if arch != "glm4moe":
+        cfg.update(MLA_QUICK if quick else MLA)
+    if arch == "glm-dsa":
+        cfg.update(DSA, idx_top_k=32 if quick else DSA["idx_top_k"])
+    return cfg
 
 
 # --- the synthetic model ----------------------------------------------------------------------
 
 
 def tensor_shapes(cfg) -> dict:
-    """name -> numpy shape (rows last), llama.cpp's glm4moe names."""
-    H, Q, KV = cfg["n_embd"], cfg["n_head"] * cfg["head_dim"], cfg["n_head_kv"] * cfg["head_dim"]
-    E, F = cfg["n_expert"], cfg["n_ff_exp"]
+    """name -> numpy shape (rows last), llama.cpp's names for cfg["arch"]."""
+    H, E, F = cfg["n_embd"], cfg["n_expert"], cfg["n_ff_exp"]
     s = {"token_embd.weight": (cfg["n_vocab"], H)}
     for il in range(cfg["n_layer"] + cfg["n_nextn"]):
         p = f"blk.{il}."
-        s.update({p + "attn_norm.weight": (H,), p + "attn_q.weight": (Q, H), p + "attn_q.bias": (Q,),
-                  p + "attn_k.weight": (KV, H), p + "attn_k.bias": (KV,),
-                  p + "attn_v.weight": (KV, H), p + "attn_v.bias": (KV,),
-                  p + "attn_output.weight": (H, Q), p + "post_attention_norm.weight": (H,)})
+        s[p + "attn_norm.weight"] = (H,)
+        s.update(_attention_shapes(cfg, p))
         if il < cfg["n_dense_lead"]:
             s.update({p + "ffn_gate.weight": (cfg["n_ff"], H), p + "ffn_up.weight": (cfg["n_ff"], H),
                       p + "ffn_down.weight": (H, cfg["n_ff"])})
@@ -93,8 +112,67 @@ def tensor_shapes(cfg) -> dict:
     return s
 
 
+def _attention_shapes(cfg, p: str) -> dict:
+    H, NH = cfg["n_embd"], cfg["n_head"]
+    if cfg["arch"] == "glm4moe":  # grouped-query attention with biases
+        Q, KV = NH * cfg["head_dim"], cfg["n_head_kv"] * cfg["head_dim"]
+        return {p + "attn_q.weight": (Q, H), p + "attn_q.bias": (Q,),
+                p + "attn_k.weight": (KV, H), p + "attn_k.bias": (KV,),
+                p + "attn_v.weight": (KV, H), p + "attn_v.bias": (KV,),
+                p + "attn_output.weight": (H, Q), p + "post_attention_norm.weight": (H,)}
+    RQ, RKV, NK = cfg["n_lora_q"], cfg["n_lora_kv"], cfg["n_nope"] + cfg["n_rot"]
+    s = {p + "attn_q_a.weight": (RQ, H), p + "attn_q_a_norm.weight": (RQ,),
+         p + "attn_q_b.weight": (NH * NK, RQ),
+         p + "attn_kv_a_mqa.weight": (RKV + cfg["n_rot"], H), p + "attn_kv_a_norm.weight": (RKV,),
+         p + "attn_k_b.weight": (NH, RKV, cfg["n_nope"]), p + "attn_v_b.weight": (NH, cfg["n_v"], RKV),
+         p + "attn_output.weight": (H, NH * cfg["n_v"]), p + "ffn_norm.weight": (H,)}
+    if cfg["arch"] == "glm-dsa":  # the lightning indexer, on every layer
+        D, IH = cfg["idx_dim"], cfg["idx_head"]
+        s.update({p + "indexer.attn_q_b.weight": (IH * D, RQ), p + "indexer.attn_k.weight": (D, H),
+                  p + "indexer.k_norm.weight": (D,), p + "indexer.k_norm.bias": (D,),
+                  p + "indexer.proj.weight": (IH, H)})
+    return s
+
+
+def _metadata(cfg) -> list:
+    """(key, value, type) of cfg["arch"]'s hyper-parameters, as llama.cpp's converter writes them."""
+    a = cfg["arch"]
+    u32 = lambda k, v: (f"{a}.{k}", int(v), V.UINT32)  # noqa: E731
+    keys = [u32("block_count", cfg["n_layer"] + cfg["n_nextn"]), u32("context_length", 4096),
+            u32("embedding_length", cfg["n_embd"]), u32("feed_forward_length", cfg["n_ff"]),
+            u32("attention.head_count", cfg["n_head"]),
+            (f"{a}.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32),
+            u32("rope.dimension_count", cfg["n_rot"]), u32("vocab_size", cfg["n_vocab"]),
+            u32("expert_count", cfg["n_expert"]), u32("expert_used_count", cfg["n_expert_used"]),
+            u32("expert_shared_count", cfg["n_expert_shared"]),
+            u32("expert_feed_forward_length", cfg["n_ff_exp"]),
+            u32("leading_dense_block_count", cfg["n_dense_lead"]), u32("expert_gating_func", 2),
+            (f"{a}.expert_weights_norm", True, V.BOOL), (f"{a}.expert_weights_scale", 2.5, V.FLOAT32),
+            u32("nextn_predict_layers", cfg["n_nextn"])]
+    if a == "glm4moe":
+        return keys + [u32("attention.head_count_kv", cfg["n_head_kv"]),
+                       u32("attention.key_length", cfg["head_dim"]),
+                       u32("attention.value_length", cfg["head_dim"]),
+                       (f"{a}.rope.freq_base", 1000000.0, V.FLOAT32)]
+    keys += [u32("attention.head_count_kv", 1),  # the absorbed layout: one latent row
+             u32("attention.key_length", cfg["n_lora_kv"] + cfg["n_rot"]),
+             u32("attention.value_length", cfg["n_lora_kv"]),
+             u32("attention.key_length_mla", cfg["n_nope"] + cfg["n_rot"]),
+             u32("attention.value_length_mla", cfg["n_v"]),
+             u32("attention.q_lora_rank", cfg["n_lora_q"]), u32("attention.kv_lora_rank", cfg["n_lora_kv"]),
+             (f"{a}.rope.freq_base", 10000.0, V.FLOAT32)]
+    if cfg["n_group"]:
+        keys += [u32("expert_group_count", cfg["n_group"]),
+                 u32("expert_group_used_count", cfg["n_group_used"])]
+    if a == "glm-dsa":
+        keys += [u32("attention.indexer.head_count", cfg["idx_head"]),
+                 u32("attention.indexer.key_length", cfg["idx_dim"]),
+                 u32("attention.indexer.top_k", cfg["idx_top_k"])]
+    return keys
+
+
 def make_f16_model(path, cfg, seed=0) -> int:
-    """The glm4moe GGUF with random F16 matrices (F32 norms, biases and router), written one
+    """The cfg["arch"] GGUF with random F16 matrices (F32 norms, biases and router), written one
     tensor at a time; a plain SentencePiece-style token list (the benchmark feeds token ids)."""
     shapes = tensor_shapes(cfg)
     rng = np.random.default_rng(seed)
@@ -102,25 +180,10 @@ def make_f16_model(path, cfg, seed=0) -> int:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"t{i}" for i in range(n_vocab - len(tokens))]
     types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
-    a = ARCH
-    u32 = lambda k, v: (f"{a}.{k}", int(v), V.UINT32)  # noqa: E731
-    with GGUFStreamWriter(path, a) as w:
-        for key, value, vtype in (
-                ("general.name", "bench-synthetic-glm4moe", V.STRING),
-                u32("block_count", cfg["n_layer"] + cfg["n_nextn"]), u32("context_length", 4096),
-                u32("embedding_length", cfg["n_embd"]), u32("feed_forward_length", cfg["n_ff"]),
-                u32("attention.head_count", cfg["n_head"]), u32("attention.head_count_kv", cfg["n_head_kv"]),
-                u32("attention.key_length", cfg["head_dim"]), u32("attention.value_length", cfg["head_dim"]),
-                (f"{a}.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32),
-                (f"{a}.rope.freq_base", 1000000.0, V.FLOAT32), u32("rope.dimension_count", cfg["n_rot"]),
-                u32("vocab_size", n_vocab), u32("expert_count", cfg["n_expert"]),
-                u32("expert_used_count", cfg["n_expert_used"]),
-                u32("expert_shared_count", cfg["n_expert_shared"]),
-                u32("expert_feed_forward_length", cfg["n_ff_exp"]),
-                u32("leading_dense_block_count", cfg["n_dense_lead"]), u32("expert_gating_func", 2),
-                (f"{a}.expert_weights_norm", True, V.BOOL), (f"{a}.expert_weights_scale", 2.5, V.FLOAT32),
-                u32("nextn_predict_layers", cfg["n_nextn"]),
-                ("general.file_type", 1, V.UINT32), ("tokenizer.ggml.model", "llama", V.STRING)):
+    with GGUFStreamWriter(path, cfg["arch"]) as w:
+        for key, value, vtype in [("general.name", f"bench-synthetic-{cfg['arch']}", V.STRING)] + \
+                _metadata(cfg) + [("general.file_type", 1, V.UINT32),
+                                  ("tokenizer.ggml.model", "llama", V.STRING)]:
             w.add_key(key, value, vtype)
         w.add_key("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
         w.add_key("tokenizer.ggml.scores", [0.0] * len(tokens), V.ARRAY, V.FLOAT32)
@@ -166,11 +229,12 @@ def model_params(cfg) -> tuple[int, int]:
 def prepare_model(folder, cfg, log, mix="Q4_K_M") -> str:
     from ds4tools.quantize import QuantizeOptions, quantize_model
     os.makedirs(folder, exist_ok=True)
-    tag = ("quick" if cfg["n_layer"] == QUICK["n_layer"] else "1b") + ("-nextn" if cfg["n_nextn"] else "")
-    out = os.path.join(folder, f"glm4moe-{tag}-{mix.lower()}.gguf")
+    tag = cfg["arch"] + ("-quick" if cfg["n_layer"] == QUICK["n_layer"] else "-1b") + \
+        ("-nextn" if cfg["n_nextn"] else "")
+    out = os.path.join(folder, f"{tag}-{mix.lower()}.gguf")
     if os.path.exists(out):
         return out
-    src = os.path.join(folder, f"glm4moe-{tag}-f16.gguf")
+    src = os.path.join(folder, f"{tag}-f16.gguf")
     if not os.path.exists(src):
         t = time.perf_counter()
         n = make_f16_model(src + ".part", cfg)
@@ -200,8 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=None,
                     help="also print the speedup a head accepting each draft with this "
                          "probability would give, from the measured r and c")
+    ap.add_argument("--arch", choices=ARCHS, default="glm4moe", help="the model's family")
     args = ap.parse_args(argv)
-    cfg = dict(QUICK if args.quick else FULL, n_nextn=1 if args.nextn else 0)
+    cfg = config(args.arch, args.quick, args.nextn)
     log = lambda m: print(m, flush=True)  # noqa: E731
     path = prepare_model(args.dir, cfg, log)
     total, active = model_params(cfg)

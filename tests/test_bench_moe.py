@@ -5,7 +5,8 @@
   path, and a token's logits do not depend on its batch.
 * ``ds4tools bench`` counts, for a MoE tensor, only the experts the forward used: the bytes
   counted are the used experts' bytes plus every other matrix (``bench.measure``).
-* ``benchmarks/bench_moe.py`` writes the glm4moe file it measures (its quick shape here).
+* ``benchmarks/bench_moe.py`` writes the glm4moe, deepseek2 and glm-dsa files it measures (their
+  quick shapes here), which our engine loads as their family.
 """
 import json
 
@@ -149,6 +150,23 @@ def test_bench_moe_writes_its_model(tmp_path):
     eng = Engine(str(path), n_ctx=32)
     assert eng.hparams.arch == "glm4moe" and eng.hparams.moe.n_expert == 4
     assert np.isfinite(eng.forward([1, 2, 3], 0).logits).all()
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm-dsa"])
+def test_bench_moe_writes_the_mla_families(tmp_path, arch):
+    bm = _bench_moe()
+    cfg = dict(bm.config(arch, quick=True, nextn=True), n_layer=2, n_expert=4, n_expert_used=2,
+               n_vocab=512)
+    if cfg["n_group"]:  # deepseek2: 2 groups of 2 experts, 1 used
+        cfg.update(n_group=2, n_group_used=1)
+    path = tmp_path / "m.gguf"
+    n = bm.make_f16_model(str(path), cfg)
+    total, active = bm.model_params(cfg)
+    assert n == total and active < total
+    eng = Engine(str(path), n_ctx=64)
+    hp = eng.hparams
+    assert hp.arch == arch and hp.moe.n_expert == 4 and hp.n_nextn == 1
+    assert np.isfinite(eng.forward(list(range(3, 40)), 0).logits).all()
 
 
 def test_bench_moe_smoke(tmp_path, capsys):

@@ -8,25 +8,26 @@ from ds4tools.formats.activations import quantize_activations
 from ds4tools.formats.grouped import grouped_matmul
 
 N_EXPERT, N_OUT, N_IN = 6, 40, 512
-FORMATS = ["Q8_0", "Q4_K", "IQ4_NL", "IQ2_XXS", "F16"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ2_XXS", "F16"]
 
 
-def _experts(fmt, seed=0):
+def _experts(fmt, seed=0, n_expert=N_EXPERT, n_out=N_OUT, n_in=N_IN):
     f = formats.get_format(fmt)
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((N_EXPERT, N_OUT, N_IN)).astype(np.float32)
-    imatrix = np.ones(N_IN, np.float32) if f.requires_imatrix else None
+    w = rng.standard_normal((n_expert, n_out, n_in)).astype(np.float32)
+    imatrix = np.ones(n_in, np.float32) if f.requires_imatrix else None
     raw = formats.quantize(w, fmt, imatrix=imatrix)
-    assert raw.shape == (N_EXPERT, N_OUT, f.row_bytes(N_IN))
+    assert raw.shape == (n_expert, n_out, f.row_bytes(n_in))
     return raw
 
 
 def _reference(raw, fmt, x, ids, int8):
     k, n_used = ids.shape
-    ref = np.empty((k, n_used, N_OUT), np.float32)
+    n_out, n_in = raw.shape[1], x.shape[1]
+    ref = np.empty((k, n_used, n_out), np.float32)
     for t in range(k):
         for j in range(n_used):
-            ref[t, j] = formats.matmul(raw[ids[t, j]], fmt, (N_OUT, N_IN), x[t:t + 1], int8=int8)[0]
+            ref[t, j] = formats.matmul(raw[ids[t, j]], fmt, (n_out, n_in), x[t:t + 1], int8=int8)[0]
     return ref
 
 
@@ -48,6 +49,19 @@ def test_grouped_equals_per_row_matmul(fmt, int8, k):
     ids = _ids(rng, k, 3, pool)
     got = grouped_matmul(raw, fmt, N_OUT, N_IN, x, ids, int8=int8)
     np.testing.assert_array_equal(got, _reference(raw, fmt, x, ids, int8))
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_per_head_matrices_in_one_call(fmt, k):
+    # latent attention's attn_k_b: 16 heads of 256 x 64 (Q5_0 / Q8_0 rows too short for int8),
+    # row t * 16 + h multiplied by head h's matrix, on the float32 path (one compiled call)
+    raw = _experts(fmt, 5, n_expert=16, n_out=257, n_in=64)  # an odd row count: the pair code
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((k * 16, 64)).astype(np.float32)
+    ids = np.tile(np.arange(16), k).reshape(k * 16, 1)
+    got = grouped_matmul(raw, fmt, 257, 64, x, ids, int8=False)
+    np.testing.assert_array_equal(got, _reference(raw, fmt, x, ids, False))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -12,11 +12,15 @@ latent cache it reads.
 
 The cache holds the latent, never expanded keys and values, so a position costs
 kv_lora_rank + n_rot floats per layer whatever the head count. Attention is MQA over it: every
-head reads the same rows (keys: the whole row; values: its first kv_lora_rank entries).
+head reads the same rows (keys: the whole row; values: its first kv_lora_rank entries), so one
+job takes 8 heads of a token and reads each row once for all of them (on the 1B deepseek2 of
+benchmarks/bench_moe.py, 16 heads over 512 positions: 210 -> 136 us a layer).
 
 The per-head projections Wk_b and Wv_b are 3-D tensors (n_head, n_out, n_in); they multiply
 through the grouped matmul of the mixture-of-experts block with the head as the "expert", one
-(row, head) pair per input row, so a row's bits never depend on the batch.
+(row, head) pair per input row, so a row's bits never depend on the batch; one compiled call
+for all heads (Wk_b's rows of n_nope are Q5_0 / Q8_0 in llama.cpp's mixes and take the float32
+path: its grouped kernel replaced a Python loop over the heads that cost a third of a step).
 
 Shared by the architectures with MLA attention (deepseek2; glm-dsa adds its indexer on top).
 """
@@ -212,80 +216,67 @@ def _decode_f16(cache, lut, out):
             out[j, i] = lut[cache[j, i]]
 
 
+#: heads per attention job: a job reads each visible latent row once for all its heads (the
+#: rows are shared by every head), instead of once per head from L2; fixed, so that a row's
+#: result does not depend on the batch
+HEADS_PER_JOB = 8
+
+
 @njit(cache=True, fastmath=True, error_model="numpy")
-def _attend_latent(q, rows, n_visible, scale, scores, acc, out):
-    """One query row of one head: out = softmax(scale * rows @ q) @ rows[:, :n_lora]."""
-    d = q.shape[0]
-    n_lora = out.shape[0]
-    m = kernels.NEG_INF
+def _attend_latent(q, rows, index, n_visible, scale, scores, m, acc, out):
+    """Query rows q (heads, n_latent) of one token over the latent rows index[0..n_visible)
+    (ascending; index None: rows 0..n_visible-1): out (heads, n_lora) = softmax(scale * rows @
+    q[h]) @ rows[:, :n_lora] per head h. Each head reduces over the rows in their order."""
+    n_h, d = q.shape
+    n_lora = out.shape[1]
+    for h in range(n_h):
+        m[h] = kernels.NEG_INF
     for j in range(n_visible):
-        s = np.float32(0.0)
-        for i in range(d):
-            s += q[i] * rows[j, i]
-        s *= scale
-        scores[j] = s
-        m = max(m, s)
-    total = np.float32(0.0)
-    for j in range(n_visible):
-        e = kernels.exp_f32(scores[j] - m)
-        scores[j] = e
-        total += e
-    for i in range(n_lora):
-        acc[i] = np.float32(0.0)
-    for j in range(n_visible):
-        w = scores[j]
+        r = j if index is None else index[j]
+        for h in range(n_h):
+            s = np.float32(0.0)
+            for i in range(d):
+                s += q[h, i] * rows[r, i]
+            s *= scale
+            scores[h, j] = s
+            m[h] = max(m[h], s)
+    for h in range(n_h):
+        total = np.float32(0.0)
+        for j in range(n_visible):
+            e = kernels.exp_f32(scores[h, j] - m[h])
+            scores[h, j] = e
+            total += e
+        m[h] = np.float32(1.0) / total  # m now holds 1 / total
         for i in range(n_lora):
-            acc[i] += w * rows[j, i]
-    inv = np.float32(1.0) / total
-    for i in range(n_lora):
-        out[i] = acc[i] * inv
+            acc[h, i] = np.float32(0.0)
+    for j in range(n_visible):
+        r = j if index is None else index[j]
+        for h in range(n_h):
+            w = scores[h, j]
+            for i in range(n_lora):
+                acc[h, i] += w * rows[r, i]
+    for h in range(n_h):
+        for i in range(n_lora):
+            out[h, i] = acc[h, i] * m[h]
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def latent_attention(q, rows, limits, scale, out):
     """q (k, n_head, n_latent) float32; rows (>= max limit, n_latent) float32; out (k, n_head,
-    n_lora). Every (row, head) pair is one job reducing in a fixed order: its result does not
-    depend on the batch."""
+    n_lora). Jobs are (row, HEADS_PER_JOB heads), each head reducing in a fixed order: a
+    result does not depend on the batch."""
     k, n_head, _ = q.shape
     n_lora = out.shape[2]
-    for job in prange(k * n_head):
-        t = job // n_head
-        h = job - t * n_head
+    per = (n_head + HEADS_PER_JOB - 1) // HEADS_PER_JOB
+    for job in prange(k * per):
+        t = job // per
+        h0 = (job - t * per) * HEADS_PER_JOB
+        h1 = min(n_head, h0 + HEADS_PER_JOB)
         n_visible = limits[t]
-        scores = np.empty(n_visible, np.float32)
-        acc = np.empty(n_lora, np.float32)
-        _attend_latent(q[t, h], rows, n_visible, scale, scores, acc, out[t, h])
-
-
-@njit(cache=True, fastmath=True, error_model="numpy")
-def _attend_latent_at(q, rows, index, n_visible, scale, scores, acc, out):
-    """_attend_latent over the rows index[0..n_visible) (ascending) instead of 0..n_visible."""
-    d = q.shape[0]
-    n_lora = out.shape[0]
-    m = kernels.NEG_INF
-    for j in range(n_visible):
-        r = index[j]
-        s = np.float32(0.0)
-        for i in range(d):
-            s += q[i] * rows[r, i]
-        s *= scale
-        scores[j] = s
-        m = max(m, s)
-    total = np.float32(0.0)
-    for j in range(n_visible):
-        e = kernels.exp_f32(scores[j] - m)
-        scores[j] = e
-        total += e
-    for i in range(n_lora):
-        acc[i] = np.float32(0.0)
-    for j in range(n_visible):
-        r = index[j]
-        w = scores[j]
-        for i in range(n_lora):
-            acc[i] += w * rows[r, i]
-    inv = np.float32(1.0) / total
-    for i in range(n_lora):
-        out[i] = acc[i] * inv
+        scores = np.empty((h1 - h0, n_visible), np.float32)
+        m = np.empty(h1 - h0, np.float32)
+        acc = np.empty((h1 - h0, n_lora), np.float32)
+        _attend_latent(q[t, h0:h1], rows, None, n_visible, scale, scores, m, acc, out[t, h0:h1])
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -293,13 +284,17 @@ def latent_attention_selected(q, rows, selected, counts, scale, out):
     """latent_attention where row t sees the cache rows selected[t, :counts[t]] only."""
     k, n_head, _ = q.shape
     n_lora = out.shape[2]
-    for job in prange(k * n_head):
-        t = job // n_head
-        h = job - t * n_head
+    per = (n_head + HEADS_PER_JOB - 1) // HEADS_PER_JOB
+    for job in prange(k * per):
+        t = job // per
+        h0 = (job - t * per) * HEADS_PER_JOB
+        h1 = min(n_head, h0 + HEADS_PER_JOB)
         n_visible = counts[t]
-        scores = np.empty(n_visible, np.float32)
-        acc = np.empty(n_lora, np.float32)
-        _attend_latent_at(q[t, h], rows, selected[t], n_visible, scale, scores, acc, out[t, h])
+        scores = np.empty((h1 - h0, n_visible), np.float32)
+        m = np.empty(h1 - h0, np.float32)
+        acc = np.empty((h1 - h0, n_lora), np.float32)
+        _attend_latent(q[t, h0:h1], rows, selected[t], n_visible, scale, scores, m, acc,
+                       out[t, h0:h1])
 
 
 # --- the attention block ------------------------------------------------------------------------

@@ -18,9 +18,11 @@ slot ``j``, ``x[t] @ W[expert_ids[t, j]].T`` in one call:
 The K-quants (Q2_K..Q6_K, the formats of the Q*_K mixes) on the int8 path run every used
 expert in one parallel call (``grouped_kq``, below): the (row, slot) pairs sorted by expert,
 each (expert, 16 weight rows) one task, so both threads stream every call and no Python runs
-per expert; the MoE block also runs gate and up of all experts in one such call. The other
-formats (and the float32 path) loop over the used experts in Python, one compiled multi-row
-call each: measured (2 cores, busy machine, tiny 32x256 experts so the kernels cost nothing)
+per expert; the MoE block also runs gate and up of all experts in one such call. So do Q8_0
+and Q4_0..Q5_1 on the float32 path (``_grouped_legacy_f32``): latent attention's per-head
+matrices (``attn_k_b``, rows of 64: Q5_0 or Q8_0 in llama.cpp's mixes, too short for the int8
+path) are such a tensor with every head used by every token. The other formats (and the
+other paths) loop over the used experts in Python, one compiled multi-row call each: measured (2 cores, busy machine, tiny 32x256 experts so the kernels cost nothing)
 about 5 us of Python routing per used expert at k=1 (10 us at k=16) plus 3-5 us per kernel
 dispatch.
 """
@@ -30,6 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import kquants as _kq
+from . import legacy as _legacy
 from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_AFF, DOT_K_4x2_PAIR,
                        DOT_K_4x2_SYM, K_AFFINE, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES, KSUM,
                        KSUM_STORE_4x4)
@@ -133,6 +136,12 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
     if kind is not None:  # the K-quants: one parallel call for every used expert
         _grouped_kq_matmul(kind, r, act, ids, out.reshape(k * n_used, n_out))
         return out
+    kind = None if use_int8 else _LEGACY_F32_KIND.get(f.name)
+    if kind is not None:  # the 32-block formats' float32 path: one parallel call as well
+        order, starts, experts = _sorted_pairs(ids, n_expert)
+        _grouped_legacy_f32(kind, r, FP16_TO_FP32, xa, order, starts, experts, n_used,
+                            out.reshape(k * n_used, n_out))
+        return out
     for e, rows, slots, uniq, inv in route(ids, n_expert):
         tmp = np.empty((uniq.size, n_out), np.float32)
         if use_int8:
@@ -144,6 +153,63 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
         else:
             out[rows, slots] = tmp[inv]
     return out
+
+
+# --- one compiled call for every used expert: the 32-block formats' float32 path ----------------
+# The kernels of formats.matmul's float32 path (legacy._q8_0_matmul, legacy._matmul) decode two
+# weight rows to floats and dot both with each activation row in one loop. This runs the same
+# decode and the same loop, over the tokens routed to the rows' expert: a (row, token) result has
+# the bits of a plain matmul of that token with that expert's matrix.
+
+#: format name -> kind here: legacy.KIND (Q4_0..Q5_1, legacy._matmul) and 4 for Q8_0
+_LEGACY_F32_KIND = dict(_legacy.KIND, Q8_0=4)
+_QK = _legacy.QK
+
+
+def _sorted_pairs(ids: np.ndarray, n_expert: int):
+    k, n_used = ids.shape
+    order = np.empty(k * n_used, np.int64)
+    starts = np.empty(n_expert + 1, np.int64)
+    experts = np.empty(n_expert, np.int64)
+    n = sort_pairs(ids, n_expert, order, starts, experts)
+    return order, starts[:n + 1], experts[:n]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out):
+    # out[p] (p = row * n_used + slot, the pairs of sort_pairs) = x[row] @ expert's rows; tasks
+    # are (used expert, 4 pairs of weight rows) as legacy._matmul's, expert-major
+    n_out = raw3d.shape[1]
+    n_in = x.shape[1]
+    n_pairs = (n_out + 1) // 2
+    chunk = 4  # pairs per task, as legacy._matmul
+    per_expert = (n_pairs + chunk - 1) // chunk
+    for task in prange(experts.shape[0] * per_expert):
+        i = task // per_expert
+        c = task - i * per_expert
+        e = experts[i]
+        w0 = np.empty(n_in, np.float32)
+        w1 = np.empty(n_in, np.float32)
+        for pair in range(c * chunk, min(n_pairs, c * chunk + chunk)):
+            r0 = 2 * pair
+            r1 = min(r0 + 1, n_out - 1)
+            if kind == 4:
+                _legacy._q8_0_decode_row(raw3d[e, r0], lut, w0, _QK)
+                _legacy._q8_0_decode_row(raw3d[e, r1], lut, w1, _QK)
+            else:
+                _legacy._decode_row_f32(kind, raw3d[e, r0], lut, w0)
+                _legacy._decode_row_f32(kind, raw3d[e, r1], lut, w1)
+            for pos in range(starts[i], starts[i + 1]):
+                p = order[pos]
+                t = p // n_used
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                for ii in range(n_in):
+                    xi = x[t, ii]
+                    a0 += w0[ii] * xi
+                    a1 += w1[ii] * xi
+                out[p, r0] = a0
+                out[p, r1] = a1
 
 
 # --- one compiled call for every used expert (the K-quants' int8 path) -------------------------
