@@ -124,7 +124,8 @@ def _attention_shapes(cfg, p: str) -> dict:
     s = {p + "attn_q_a.weight": (RQ, H), p + "attn_q_a_norm.weight": (RQ,),
          p + "attn_q_b.weight": (NH * NK, RQ),
          p + "attn_kv_a_mqa.weight": (RKV + cfg["n_rot"], H), p + "attn_kv_a_norm.weight": (RKV,),
-         p + "attn_k_b.weight": (NH, RKV, cfg["n_nope"]), p + "attn_v_b.weight": (NH, cfg["n_v"], RKV),
+         p + "attn_k_b.weight": (NH, RKV, cfg["n_nope"]),
+         p + "attn_v_b.weight": (NH, cfg["n_v"], RKV),
          p + "attn_output.weight": (H, NH * cfg["n_v"]), p + "ffn_norm.weight": (H,)}
     if cfg["arch"] == "glm-dsa":  # the lightning indexer, on every layer
         D, IH = cfg["idx_dim"], cfg["idx_head"]
@@ -135,7 +136,8 @@ def _attention_shapes(cfg, p: str) -> dict:
 
 
 def _metadata(cfg) -> list:
-    """(key, value, type) of cfg["arch"]'s hyper-parameters, as llama.cpp's converter writes them."""
+    """(key, value, type) of cfg["arch"]'s hyper-parameters, as llama.cpp's converter writes
+    them."""
     a = cfg["arch"]
     u32 = lambda k, v: (f"{a}.{k}", int(v), V.UINT32)  # noqa: E731
     keys = [u32("block_count", cfg["n_layer"] + cfg["n_nextn"]), u32("context_length", 4096),

@@ -22,9 +22,9 @@ per expert; the MoE block also runs gate and up of all experts in one such call.
 and Q4_0..Q5_1 on the float32 path (``_grouped_legacy_f32``): latent attention's per-head
 matrices (``attn_k_b``, rows of 64: Q5_0 or Q8_0 in llama.cpp's mixes, too short for the int8
 path) are such a tensor with every head used by every token. The other formats (and the
-other paths) loop over the used experts in Python, one compiled multi-row call each: measured (2 cores, busy machine, tiny 32x256 experts so the kernels cost nothing)
-about 5 us of Python routing per used expert at k=1 (10 us at k=16) plus 3-5 us per kernel
-dispatch.
+other paths) loop over the used experts in Python, one compiled multi-row call each: measured
+(2 cores, busy machine, tiny 32x256 experts so the kernels cost nothing) about 5 us of Python
+routing per used expert at k=1 (10 us at k=16) plus 3-5 us per kernel dispatch.
 """
 from __future__ import annotations
 
