@@ -201,36 +201,61 @@ def _row_scores(q, keys, w, n_visible, scores):
         scores[j] = s
 
 
+#: positions per scoring task: a decode step's one row is scored by every thread
+SCORE_BLOCK = 64
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def select_positions(q, keys, w, limits, top_k, selected, counts):
-    """Per row t: the top_k positions in [0, limits[t]) by indexer score, ascending, into
-    selected[t, :counts[t]] (every position when limits[t] <= top_k). Equal scores keep the
-    lower position."""
-    for t in prange(q.shape[0]):
+def _all_scores(q, keys, w, limits, top_k, scores):
+    # scores[t, :limits[t]] for the rows that select (limits[t] > top_k), in tasks of
+    # (row, SCORE_BLOCK positions); a position's score is _row_scores' whatever the split
+    per = (scores.shape[1] + SCORE_BLOCK - 1) // SCORE_BLOCK
+    for task in prange(q.shape[0] * per):
+        t = task // per
+        j0 = (task - t * per) * SCORE_BLOCK
+        n = limits[t]
+        if n <= top_k or j0 >= n:
+            continue
+        j1 = min(n, j0 + SCORE_BLOCK)
+        _row_scores(q[t], keys[j0:j1], w[t], j1 - j0, scores[t, j0:j1])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _select_top(scores, limits, top_k, selected, counts):
+    for t in prange(scores.shape[0]):
         n = limits[t]
         if n <= top_k:
             for j in range(n):
                 selected[t, j] = j
             counts[t] = n
             continue
-        scores = np.empty(n, np.float32)
-        _row_scores(q[t], keys, w[t], n, scores)
+        row = scores[t, :n]
         # the top_k-th largest score; positions above it all go in, equal ones by position
-        threshold = np.partition(scores, n - top_k)[n - top_k]
+        threshold = np.partition(row.copy(), n - top_k)[n - top_k]
         above = 0
         for j in range(n):
-            if scores[j] > threshold:
+            if row[j] > threshold:
                 above += 1
         ties = top_k - above
         m = 0
         for j in range(n):
-            s = scores[j]
+            s = row[j]
             if s > threshold or (s == threshold and ties > 0):
                 if s == threshold:
                     ties -= 1
                 selected[t, m] = j
                 m += 1
         counts[t] = m
+
+
+def select_positions(q, keys, w, limits, top_k, selected, counts):
+    """Per row t: the top_k positions in [0, limits[t]) by indexer score, ascending, into
+    selected[t, :counts[t]] (every position when limits[t] <= top_k). Equal scores keep the
+    lower position. The scores are made across threads by blocks of positions, then each row
+    selects."""
+    scores = np.empty((q.shape[0], int(limits.max())), np.float32)
+    _all_scores(q, keys, w, limits, top_k, scores)
+    _select_top(scores, limits, top_k, selected, counts)
 
 
 def indexer_scores(q, keys, w, limit):
