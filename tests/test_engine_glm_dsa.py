@@ -164,6 +164,28 @@ def test_equal_scores_keep_the_lower_position():
     assert sel[1].tolist() == sorted(order[:4])
 
 
+def test_selection_over_many_position_blocks_matches_one_pass():
+    # rows whose positions span several of the threaded scoring's blocks (dsa.SCORE_BLOCK): the
+    # same scores as one pass of indexer_scores over all positions, and the same selection
+    from ds4tools.engine.dsa import SCORE_BLOCK, indexer_scores, select_positions
+    rng = np.random.default_rng(3)
+    n = 3 * SCORE_BLOCK + 5
+    keys = rng.standard_normal((n, 16)).astype(np.float32)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    limits = np.array([n, 2 * SCORE_BLOCK + 1, 9])
+    top_k = 17
+    sel, counts = np.zeros((3, top_k), np.int64), np.zeros(3, np.int64)
+    select_positions(q, keys, w, limits, top_k, sel, counts)
+    for t in range(3):
+        if limits[t] <= top_k:
+            assert counts[t] == limits[t] and sel[t, :limits[t]].tolist() == list(range(limits[t]))
+            continue
+        s = indexer_scores(q[t], keys, w[t], limits[t])
+        order = sorted(range(limits[t]), key=lambda j: (-s[j], j))
+        assert counts[t] == top_k and sel[t].tolist() == sorted(order[:top_k]), t
+
+
 def test_the_cache_holds_latent_and_indexer_rows(files):
     cfg = CASES["f32-shared-yarn"][0]
     eng = Engine(files["f32-shared-yarn"], n_ctx=64)
