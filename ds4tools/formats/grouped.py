@@ -157,9 +157,9 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
 
 # --- one compiled call for every used expert: the 32-block formats' float32 path ----------------
 # The kernels of formats.matmul's float32 path (legacy._q8_0_matmul, legacy._matmul) decode two
-# weight rows to floats and dot both with each activation row in one loop. This runs the same
-# decode and the same loop, over the tokens routed to the rows' expert: a (row, token) result has
-# the bits of a plain matmul of that token with that expert's matrix.
+# weight rows to floats and dot both with each activation row (legacy.dot_two_rows). This runs
+# the same decode and the same dot, over the tokens routed to the rows' expert: a (row, token)
+# result has the bits of a plain matmul of that token with that expert's matrix.
 
 #: format name -> kind here: legacy.KIND (Q4_0..Q5_1, legacy._matmul) and 4 for Q8_0
 _LEGACY_F32_KIND = dict(_legacy.KIND, Q8_0=4)
@@ -201,15 +201,7 @@ def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out
                 _legacy._decode_row_f32(kind, raw3d[e, r1], lut, w1)
             for pos in range(starts[i], starts[i + 1]):
                 p = order[pos]
-                t = p // n_used
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                for ii in range(n_in):
-                    xi = x[t, ii]
-                    a0 += w0[ii] * xi
-                    a1 += w1[ii] * xi
-                out[p, r0] = a0
-                out[p, r1] = a1
+                out[p, r0], out[p, r1] = _legacy.dot_two_rows(w0, w1, x, p // n_used)
 
 
 # --- one compiled call for every used expert (the K-quants' int8 path) -------------------------

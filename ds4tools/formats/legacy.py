@@ -106,6 +106,20 @@ def _q8_0_dequantize(raw, lut, out, qk):
         _q8_0_decode_row(raw[r], lut, out[r], qk)
 
 
+@njit(cache=True, inline="always")
+def dot_two_rows(w0, w1, x, t):
+    """(w0 . x[t], w1 . x[t]) for two decoded weight rows, in one pass: the x loads are shared
+    and two reductions are in flight. The float32 paths' one dot loop (inlined, it takes the
+    caller's fastmath), so every caller reduces a row in the same order."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    for i in range(x.shape[1]):
+        xi = x[t, i]
+        a0 += w0[i] * xi
+        a1 += w1[i] * xi
+    return a0, a1
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _q8_0_matmul(raw, lut, x, out, qk):
     # Decode two rows to floats (d * q, exactly the dequantized weights), then for each
@@ -126,14 +140,7 @@ def _q8_0_matmul(raw, lut, x, out, qk):
             _q8_0_decode_row(raw[r0], lut, w0, qk)
             _q8_0_decode_row(raw[r1], lut, w1, qk)
             for t in range(k):
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                for i in range(n_in):
-                    xi = x[t, i]
-                    a0 += w0[i] * xi
-                    a1 += w1[i] * xi
-                out[t, r0] = a0
-                out[t, r1] = a1
+                out[t, r0], out[t, r1] = dot_two_rows(w0, w1, x, t)
 
 
 # --- int8-activation matmuls on 32-blocks: the five formats here, IQ4_NL and IQ2_XXS -----------
@@ -927,14 +934,7 @@ def _matmul(kind, raw, lut, x, out, half):
             _decode_row_f32(kind, raw[r0], lut, w0)
             _decode_row_f32(kind, raw[r1], lut, w1)
             for t in range(k):
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                for i in range(n_in):
-                    xi = x[t, i]
-                    a0 += w0[i] * xi
-                    a1 += w1[i] * xi
-                out[t, r0] = a0
-                out[t, r1] = a1
+                out[t, r0], out[t, r1] = dot_two_rows(w0, w1, x, t)
 
 
 class _Legacy32(QuantFormat):
