@@ -231,7 +231,7 @@ def _select_top(scores, limits, top_k, selected, counts):
             continue
         row = scores[t, :n]
         # the top_k-th largest score; positions above it all go in, equal ones by position
-        threshold = np.partition(row.copy(), n - top_k)[n - top_k]
+        threshold = np.partition(row, n - top_k)[n - top_k]  # a sorted-around copy
         above = 0
         for j in range(n):
             if row[j] > threshold:

@@ -217,7 +217,7 @@ def _decode_f16(cache, lut, out):
 
 
 #: heads per attention job: a job reads each visible latent row once for all its heads (the
-#: rows are shared by every head), instead of once per head from L2; fixed, so that a row's
+#: rows are shared by every head), instead of once per head; fixed, so that a row's
 #: result does not depend on the batch
 HEADS_PER_JOB = 8
 
