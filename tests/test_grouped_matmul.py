@@ -163,3 +163,42 @@ def test_gate_and_up_in_one_call(fmt):
     want_u = grouped_matmul(up, fmt, N_OUT, N_IN, x, ids).reshape(k * n_used, N_OUT)
     np.testing.assert_array_equal(g, want_g[order])
     np.testing.assert_array_equal(u, want_u[order])
+
+
+@pytest.mark.parametrize("fmt,int8", [("Q4_K", True), ("Q6_K", True), ("Q5_0", False),
+                                      ("Q8_0", False)])
+@pytest.mark.parametrize("k", [1, 6])
+def test_expert_matrices_one_call_path(fmt, int8, k):
+    # the engine's ExpertMatrices.matmul runs these formats through one compiled call (float
+    # rows or a SharedInput's Q8_K rows): the per-row bits, and the count of experts it read
+    from ds4tools.engine.moe import ExpertMatrices
+    from ds4tools.engine.weights import SharedInput
+    raw = _experts(fmt, 7)
+    m = ExpertMatrices("t", raw, fmt, N_EXPERT, N_OUT, N_IN, int8=int8)
+    assert (m.kq_kind is not None) == int8 and (m.legacy_kind is not None) == (not int8)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((k, N_IN)).astype(np.float32)
+    ids = _ids(rng, k, 2, np.array([3, 0, 5]))
+    ref = _reference(raw, fmt, x, ids, int8)
+    for inp in (x, SharedInput(x)):
+        out = np.empty((k, 2, N_OUT), np.float32)
+        m.matmul(inp, ids, out)
+        np.testing.assert_array_equal(out, ref)
+        assert m.last_read == np.unique(ids).size
+    with pytest.raises(ValueError, match="out of range"):
+        m.matmul(x, np.full((k, 2), N_EXPERT), np.empty((k, 2, N_OUT), np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("k", [1, 5, 9])
+def test_k_quant_float_rows_in_one_call(fmt, k):
+    # _KQuant._cpu_matmul_int8 quantizes, lays out and multiplies in one compiled call: the
+    # bits of the three steps run one by one
+    f = formats.get_format(fmt)
+    raw = _experts(fmt, 8, n_expert=1)[0]
+    x = np.random.default_rng(k).standard_normal((k, N_IN)).astype(np.float32)
+    got = np.empty((k, N_OUT), np.float32)
+    f._cpu_matmul_int8(raw, x, got)
+    ref = np.empty((k, N_OUT), np.float32)
+    f._cpu_matmul_q8(raw, quantize_activations(x, "Q8_K"), ref)
+    np.testing.assert_array_equal(got, ref)

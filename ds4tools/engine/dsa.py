@@ -24,6 +24,7 @@ Every step is per row in a fixed order: a row's choice never depends on its batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from numba import njit, prange
@@ -45,7 +46,7 @@ class IndexerShape:
     top_k: int          # attention.indexer.top_k
     n_rot: int          # the rotated dimensions at the start of each indexer head
 
-    @property
+    @cached_property  # (read by every indexer call)
     def weight_scale(self) -> np.float32:
         """The per-head weights' factor, 1 / sqrt(d * n_head), as llama.cpp rounds it."""
         return np.float32(1.0) / np.sqrt(np.float32(self.head_dim * self.n_head))

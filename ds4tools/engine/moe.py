@@ -31,11 +31,10 @@ import numpy as np
 from numba import njit
 
 from .. import formats
-from ..formats.activations import quantize_q8_k, quantize_q8_k_parallel
-from ..formats.grouped import (_prep_rows, grouped_kq_shared, grouped_matmul, kq_kind,
-                               sort_pairs)
-from ..formats.kquants import _QK_FUSED_TOKENS
-from ..formats._int8dot import K_AFFINE, K_PAIRED, KPAIR_BYTES
+from ..formats._numeric import FP16_TO_FP32
+from ..formats.grouped import (LEGACY_F32_KIND, grouped_kq_act, grouped_kq_f32, grouped_kq_shared,
+                               grouped_legacy_f32, grouped_matmul, kq_kind, prepared_rows,
+                               quantize_q8k_rows, sort_pairs)
 from . import kernels
 from .backends.cpu import CPU
 from .kernels import weighted_sum  # noqa: F401  (this block's slot sum: deepseek4 and tp use it)
@@ -136,7 +135,7 @@ class ExpertMatrices:
     benchmark can count the bytes a forward really streams (``expert_nbytes`` each)."""
 
     __slots__ = ("name", "raw", "fmt", "n_expert", "n_out", "n_in", "int8", "n_used", "reads",
-                 "last_read", "kq_kind")
+                 "last_read", "kq_kind", "legacy_kind")
 
     def __init__(self, name: str, raw: np.ndarray, fmt, n_expert: int, n_out: int, n_in: int,
                  *, int8: bool = False, n_used: int | None = None):
@@ -156,6 +155,9 @@ class ExpertMatrices:
         self.last_read = 0
         #: the K-quant kind when the one-call grouped kernel runs this tensor (int8 path)
         self.kq_kind = kq_kind(self.fmt) if self.int8 and raw.ndim == 3 else None
+        #: the 32-block format's kind when its one-call float32 kernel runs this tensor
+        self.legacy_kind = (LEGACY_F32_KIND.get(self.fmt.name)
+                            if not self.int8 and raw.ndim == 3 else None)
 
     @property
     def nbytes(self) -> int:
@@ -195,6 +197,20 @@ class ExpertMatrices:
         ``record``: count the experts read under the call's row count (see ``reads``)."""
         shared = x if isinstance(x, SharedInput) else None
         rows = shared.x if shared is not None else x
+        if self.kq_kind is not None or self.legacy_kind is not None:
+            # one compiled call (the decoder's own C-contiguous buffers: no checks but the ids')
+            ids = expert_ids
+            flat = out.reshape(ids.shape[0] * ids.shape[1], self.n_out)
+            if self.kq_kind is None:
+                n_read = grouped_legacy_f32(self.legacy_kind, self.raw, FP16_TO_FP32, rows, ids, flat)
+            elif shared is not None:
+                act = shared.quantized("Q8_K")
+                n_read = grouped_kq_act(self.kq_kind, self.raw, act.q, act.d, act.sums, ids, flat)
+            else:
+                n_read = grouped_kq_f32(self.kq_kind, self.raw, rows, ids, flat)
+            if record:
+                self.record(ids.shape[0], n_read)
+            return out
         act = shared.quantized(self.fmt.act_type) if shared is not None and self.int8 else None
         if record:
             ids = np.asarray(expert_ids)
@@ -435,42 +451,6 @@ def _shared_fast(w: MoEWeights):
 
 
 @njit(cache=True)
-def _q8k(x):
-    # ggml's quantize_row_q8_K of every row (activations.quantize_activations(x, "Q8_K"))
-    k, n = x.shape
-    q = np.empty((k, n), np.int8)
-    d = np.empty((k, n // 256), np.float32)
-    sums = np.empty((k, n // 16), np.int32)
-    if k >= 64:
-        quantize_q8_k_parallel(x, q, d, sums)
-    else:
-        quantize_q8_k(x, q, d, sums)
-    return q, d, sums
-
-
-@njit(cache=True)
-def _prepared(kind, q, d, sums, rows, max_count):
-    # formats.grouped.prepare_rows: rows of the Q8_K activations in the kernels' layouts
-    m = rows.shape[0]
-    n = q.shape[1]
-    nsb = n // 256
-    tiles = K_PAIRED[kind] and max_count > _QK_FUSED_TOKENS
-    if K_PAIRED[kind]:
-        n_pairs = (nsb + 1) // 2
-        xq_f = np.empty((m, n), np.uint8)
-        xq_t = np.empty((m, KPAIR_BYTES * n_pairs) if tiles else (1, 1), np.uint8)
-        dx = np.empty((m, 16 * n_pairs), np.float32)
-        dxs = np.empty((m, 16 * n_pairs), np.float32)
-    else:
-        xq_f = np.empty((m, n), np.uint8)
-        xq_t = np.empty((1, 1), np.uint8)
-        dx = np.empty((m, nsb), np.float32)
-        dxs = np.empty((m, n // 16 if K_AFFINE[kind] else 1), np.float32)
-    _prep_rows(kind, q, d, sums, rows, xq_f, xq_t, dx, dxs, tiles)
-    return xq_f, xq_t, dx, dxs
-
-
-@njit(cache=True)
 def _swiglu_rows(gate, up):
     if gate.shape[0] >= 64:
         kernels._swiglu_parallel(gate, up, gate)
@@ -502,11 +482,11 @@ def routed_experts_kq(x, ids, weights, n_expert, g_kind, g_raw, u_raw, d_kind, d
     max_count = 1
     for i in range(n):
         max_count = max(max_count, starts[i + 1] - starts[i])
-    q, d, sums = _q8k(x)
-    xq_f, xq_t, dx, dxs = _prepared(g_kind, q, d, sums, rows, max_count)
+    q, d, sums = quantize_q8k_rows(x)
+    xq_f, xq_t, dx, dxs = prepared_rows(g_kind, q, d, sums, rows, max_count)
     all_rows = np.arange(k)
     if s_on:
-        sxq_f, sxq_t, sdx, sdxs = _prepared(sg_kind, q, d, sums, all_rows, k)
+        sxq_f, sxq_t, sdx, sdxs = prepared_rows(sg_kind, q, d, sums, all_rows, k)
         grouped_kq_shared(g_kind, g_raw, u_raw, 2, xq_f, xq_t, dx, dxs, starts, experts, n,
                           gate, up, sg_kind, sg_raw, su_raw, sxq_f, sxq_t, sdx, sdxs, k,
                           s_gate, s_up)
@@ -516,11 +496,11 @@ def routed_experts_kq(x, ids, weights, n_expert, g_kind, g_raw, u_raw, d_kind, d
                           gate, up, sg_kind, sg_raw, su_raw, xq_f, xq_t, dx, dxs, 0,
                           s_gate, s_up)
     _swiglu_rows(gate, up)
-    q, d, sums = _q8k(gate)
-    xq_f, xq_t, dx, dxs = _prepared(d_kind, q, d, sums, np.arange(P), max_count)
+    q, d, sums = quantize_q8k_rows(gate)
+    xq_f, xq_t, dx, dxs = prepared_rows(d_kind, q, d, sums, np.arange(P), max_count)
     if s_on:
-        q, d, sums = _q8k(s_gate)
-        sxq_f, sxq_t, sdx, sdxs = _prepared(sd_kind, q, d, sums, all_rows, k)
+        q, d, sums = quantize_q8k_rows(s_gate)
+        sxq_f, sxq_t, sdx, sdxs = prepared_rows(sd_kind, q, d, sums, all_rows, k)
         grouped_kq_shared(d_kind, d_raw, d_raw, 1, xq_f, xq_t, dx, dxs, starts, experts, n,
                           down, down, sd_kind, sd_raw, sd_raw, sxq_f, sxq_t, sdx, sdxs, k,
                           s_out, s_out)

@@ -37,7 +37,8 @@ from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_A
                        DOT_K_4x2_SYM, K_AFFINE, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES, KSUM,
                        KSUM_STORE_4x4)
 from ._numeric import FP16_TO_FP32
-from .activations import QuantizedActivations, quantize_activations
+from .activations import (QuantizedActivations, quantize_activations, quantize_q8_k,
+                          quantize_q8_k_parallel)
 from .base import QuantFormat
 
 
@@ -136,11 +137,9 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
     if kind is not None:  # the K-quants: one parallel call for every used expert
         _grouped_kq_matmul(kind, r, act, ids, out.reshape(k * n_used, n_out))
         return out
-    kind = None if use_int8 else _LEGACY_F32_KIND.get(f.name)
+    kind = None if use_int8 else LEGACY_F32_KIND.get(f.name)
     if kind is not None:  # the 32-block formats' float32 path: one parallel call as well
-        order, starts, experts = _sorted_pairs(ids, n_expert)
-        _grouped_legacy_f32(kind, r, FP16_TO_FP32, xa, order, starts, experts, n_used,
-                            out.reshape(k * n_used, n_out))
+        grouped_legacy_f32(kind, r, FP16_TO_FP32, xa, ids, out.reshape(k * n_used, n_out))
         return out
     for e, rows, slots, uniq, inv in route(ids, n_expert):
         tmp = np.empty((uniq.size, n_out), np.float32)
@@ -162,27 +161,20 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
 # result has the bits of a plain matmul of that token with that expert's matrix.
 
 #: format name -> kind here: legacy.KIND (Q4_0..Q5_1, legacy._matmul) and 4 for Q8_0
-_LEGACY_F32_KIND = dict(_legacy.KIND, Q8_0=4)
+LEGACY_F32_KIND = dict(_legacy.KIND, Q8_0=4)
 _QK = _legacy.QK
-
-
-def _sorted_pairs(ids: np.ndarray, n_expert: int):
-    k, n_used = ids.shape
-    order = np.empty(k * n_used, np.int64)
-    starts = np.empty(n_expert + 1, np.int64)
-    experts = np.empty(n_expert, np.int64)
-    n = sort_pairs(ids, n_expert, order, starts, experts)
-    return order, starts[:n + 1], experts[:n]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out):
     # out[p] (p = row * n_used + slot, the pairs of sort_pairs) = x[row] @ expert's rows; tasks
-    # are (used expert, 4 pairs of weight rows) as legacy._matmul's, expert-major
+    # are (used expert, a chunk of pairs of weight rows) as legacy._matmul's, expert-major
     n_out = raw3d.shape[1]
     n_in = x.shape[1]
     n_pairs = (n_out + 1) // 2
-    chunk = 4  # pairs per task, as legacy._matmul
+    # pairs per task: legacy._matmul's 4, more for short rows (attn_k_b's 64: a task's two
+    # scratch rows cost more than decoding and dotting 4 pairs of them)
+    chunk = max(4, 2048 // n_in)
     per_expert = (n_pairs + chunk - 1) // chunk
     for task in prange(experts.shape[0] * per_expert):
         i = task // per_expert
@@ -210,7 +202,9 @@ def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out
 # and up together: the (row, slot) pairs are sorted by expert (``sort_pairs``), the activation
 # rows gathered into that order once (``prepare_rows``), and every (expert, chunk of 16 weight
 # rows, matrix) is one task of a single prange, tasks ordered chunk-major so that a static split
-# of the range gives each thread part of every expert. A task runs exactly what
+# of the range gives each thread part of every expert (expert-major where every expert has as
+# many rows, as in a decode step: then each thread streams whole matrices front to back, 1B
+# glm-dsa's routed experts 5-8% faster from memory). A task runs exactly what
 # ``kquants._matmul_q8_kg`` runs for those rows (the fused register kernels for up to 4 tokens
 # of the expert, else the tiles), and those give a (row, token) the same bits whatever path,
 # split or token count computed it: so the results are bit-identical to ``grouped_matmul`` and
@@ -288,6 +282,101 @@ def prepare_rows(kind: int, act: QuantizedActivations, rows: np.ndarray, max_cou
     return xq_f, xq_t, dx, dxs
 
 
+@njit(cache=True)
+def quantize_q8k_rows(x):
+    """quantize_activations(x, "Q8_K") in compiled code: (q, d, sums) of every row."""
+    k, n = x.shape
+    q = np.empty((k, n), np.int8)
+    d = np.empty((k, n // _QK_K), np.float32)
+    sums = np.empty((k, n // 16), np.int32)
+    if k >= 64:
+        quantize_q8_k_parallel(x, q, d, sums)
+    else:
+        quantize_q8_k(x, q, d, sums)
+    return q, d, sums
+
+
+@njit(cache=True)
+def prepared_rows(kind, q, d, sums, rows, max_count):
+    """prepare_rows in compiled code (the activations as their three arrays)."""
+    tiles = K_PAIRED[kind] and max_count > _kq._QK_FUSED_TOKENS
+    m = rows.shape[0]
+    n = q.shape[1]
+    nsb = n // _QK_K
+    xq_f = np.empty((m, n), np.uint8)
+    if K_PAIRED[kind]:
+        n_pairs = (nsb + 1) // 2
+        xq_t = np.empty((m, KPAIR_BYTES * n_pairs) if tiles else (1, 1), np.uint8)
+        dx = np.empty((m, 16 * n_pairs), np.float32)
+        dxs = np.empty((m, 16 * n_pairs), np.float32)
+    else:
+        xq_t = np.empty((1, 1), np.uint8)
+        dx = np.empty((m, nsb), np.float32)
+        dxs = np.empty((m, n // 16 if K_AFFINE[kind] else 1), np.float32)
+    _prep_rows(kind, q, d, sums, rows, xq_f, xq_t, dx, dxs, tiles)
+    return xq_f, xq_t, dx, dxs
+
+
+@njit(cache=True)
+def _check_ids(expert_ids, n_expert):
+    for t in range(expert_ids.shape[0]):
+        for j in range(expert_ids.shape[1]):
+            if expert_ids[t, j] < 0 or expert_ids[t, j] >= n_expert:
+                raise ValueError("expert_ids out of range")
+
+
+@njit(cache=True)
+def grouped_kq_act(kind, raw3d, q, d, sums, expert_ids, out):
+    """The K-quant grouped matmul from Q8_K activations (q, d, sums) of k rows, in one compiled
+    call: out (k * n_used, n_out), row t * n_used + j = activation row t times expert
+    expert_ids[t, j]. Returns the number of distinct experts read."""
+    k, n_used = expert_ids.shape
+    n_expert = raw3d.shape[0]
+    _check_ids(expert_ids, n_expert)
+    P = k * n_used
+    if P == 0:
+        return 0
+    order = np.empty(P, np.int64)
+    starts = np.empty(n_expert + 1, np.int64)
+    experts = np.empty(n_expert, np.int64)
+    n = sort_pairs(expert_ids, n_expert, order, starts, experts)
+    rows = np.empty(P, np.int64)
+    max_count = 1
+    for p in range(P):
+        rows[p] = order[p] // n_used
+    for i in range(n):
+        max_count = max(max_count, starts[i + 1] - starts[i])
+    xq_f, xq_t, dx, dxs = prepared_rows(kind, q, d, sums, rows, max_count)
+    res = np.empty((P, raw3d.shape[1]), np.float32)
+    grouped_kq_shared(kind, raw3d, raw3d, 1, xq_f, xq_t, dx, dxs, starts, experts, n, res, res,
+                      kind, _NO_ROWS, _NO_ROWS, xq_f, xq_t, dx, dxs, 0, res, res)
+    for p in range(P):
+        out[order[p]] = res[p]
+    return n
+
+
+@njit(cache=True)
+def grouped_kq_f32(kind, raw3d, x, expert_ids, out):
+    """grouped_kq_act of float32 rows x (k, n_in), quantized to Q8_K here."""
+    q, d, sums = quantize_q8k_rows(x)
+    return grouped_kq_act(kind, raw3d, q, d, sums, expert_ids, out)
+
+
+@njit(cache=True)
+def grouped_legacy_f32(kind, raw3d, lut, x, expert_ids, out):
+    """_grouped_legacy_f32 with the pairs sorted here: out (k * n_used, n_out) as
+    grouped_kq_act's. Returns the number of distinct experts read."""
+    k, n_used = expert_ids.shape
+    n_expert = raw3d.shape[0]
+    _check_ids(expert_ids, n_expert)
+    order = np.empty(k * n_used, np.int64)
+    starts = np.empty(n_expert + 1, np.int64)
+    experts = np.empty(n_expert, np.int64)
+    n = sort_pairs(expert_ids, n_expert, order, starts, experts)
+    _grouped_legacy_f32(kind, raw3d, lut, x, order, starts[:n + 1], experts[:n], n_used, out)
+    return n
+
+
 @njit(cache=True, error_model="numpy")
 def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb):
     # kquants._matmul_q8_kg for weight rows r_lo..r_hi-1 (whole tiles but the matrix's last)
@@ -360,33 +449,21 @@ def grouped_kq(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts,
     is 2, out_b[rows] = rows @ raw_b[expert].T (gate and up together). raw_*: uint8
     (n_expert, n_out, row bytes) of K-quant ``kind``; one parallel call, its tasks
     (16 weight rows, matrix, expert) ordered chunk-major (a static split of the range gives
-    each thread part of every expert)."""
+    each thread part of every expert), or expert-major when all have as many rows."""
     grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts, n_groups,
                       out_a, out_b, kind, _NO_ROWS, _NO_ROWS, xq_f, xq_t, dx, dxs, 0, out_a, out_b)
 
 
 def kq_kind(fmt) -> int | None:
     """The K-quant kind of a format (the grouped_kq path), or None."""
-    f = _get_format(fmt)
+    f = fmt if isinstance(fmt, QuantFormat) else _get_format(fmt)
     return _kq.KIND.get(f.name) if isinstance(f, _kq._KQuant) else None
 
 
 def _grouped_kq_matmul(kind: int, raw3d: np.ndarray, act: QuantizedActivations, ids: np.ndarray,
-                       out: np.ndarray) -> None:
+                       out: np.ndarray) -> int:
     # out (k * n_used, n_out): row t * n_used + j = activation row t times expert ids[t, j]
-    k, n_used = ids.shape
-    n_pairs = k * n_used
-    if n_pairs == 0:
-        return
-    n_expert = raw3d.shape[0]
-    order = np.empty(n_pairs, np.int64)
-    starts = np.empty(n_expert + 1, np.int64)
-    experts = np.empty(n_expert, np.int64)
-    n = sort_pairs(ids, n_expert, order, starts, experts)
-    xq_f, xq_t, dx, dxs = prepare_rows(kind, act, order // n_used, int(np.max(np.diff(starts[:n + 1]))))
-    res = np.empty((n_pairs, raw3d.shape[1]), np.float32)
-    grouped_kq(kind, raw3d, raw3d, 1, xq_f, xq_t, dx, dxs, starts, experts, n, res, res)
-    out[order] = res
+    return grouped_kq_act(kind, raw3d, act.q, act.d, act.sums, ids, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -395,19 +472,32 @@ def grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, e
                       s_out_a, s_out_b):
     """grouped_kq plus one more matrix (pair) that every one of ``s_rows`` rows goes through, in
     the same parallel call: a MoE block's shared expert (s_raw_*: uint8 (n_out_s, row bytes) of
-    K-quant ``s_kind``, activations prepared for it, s_out_a[:s_rows] = rows @ s_raw_a.T ...)."""
+    K-quant ``s_kind``, activations prepared for it, s_out_a[:s_rows] = rows @ s_raw_a.T ...;
+    its tasks matrix-major)."""
     n_out = raw_a.shape[1]
     per = _GROUPED_ROWS_PER_TASK
     n_chunks = (n_out + per - 1) // per
     n_main = n_chunks * n_mats * n_groups
     s_out = s_raw_a.shape[0]
     s_chunks = (s_out + per - 1) // per if s_rows > 0 else 0
+    # every expert the same number of rows (a decode step): its tasks in a row, so a thread
+    # streams each matrix front to back; otherwise chunk-major, each thread part of every expert
+    uniform = True
+    for i in range(1, n_groups):
+        if starts[i + 1] - starts[i] != starts[1] - starts[0]:
+            uniform = False
     for task in prange(n_main + s_chunks * n_mats):
         if task < n_main:
-            i = task % n_groups
-            rest = task // n_groups
-            mat = rest % n_mats
-            r_lo = (rest // n_mats) * per
+            if uniform:
+                i = task // (n_mats * n_chunks)
+                rest = task - i * (n_mats * n_chunks)
+                mat = rest // n_chunks
+                r_lo = (rest - mat * n_chunks) * per
+            else:
+                i = task % n_groups
+                rest = task // n_groups
+                mat = rest % n_mats
+                r_lo = (rest // n_mats) * per
             r_hi = min(n_out, r_lo + per)
             e = experts[i]
             if mat == 0:
@@ -418,8 +508,8 @@ def grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, e
                          starts[i + 1], out_b, r_lo, r_hi, _kq._QK_RUN_GROUPS, _kq._QK_TOKEN_BLOCK)
         else:
             st = task - n_main
-            mat = st % n_mats
-            r_lo = (st // n_mats) * per
+            mat = st // s_chunks
+            r_lo = (st - mat * s_chunks) * per
             r_hi = min(s_out, r_lo + per)
             if mat == 0:
                 _kq_rows(s_kind, s_raw_a, FP16_TO_FP32, s_xq_f, s_xq_t, s_dx, s_dxs, 0, s_rows,

@@ -41,6 +41,7 @@ from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NA
                            NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
                            NATURAL_K2_Q5_K, NATURAL_K2_Q6_K)
 from ._llvm_ir import host_cpu_features
+from .activations import PARALLEL_ROWS, quantize_q8_k, quantize_q8_k_parallel
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
                       from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
@@ -1161,6 +1162,33 @@ def _act_layout_k(kind, act):
     return got
 
 
+@njit(cache=True)
+def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb):
+    # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
+    # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
+    k, n = x.shape
+    q = np.empty((k, n), np.int8)
+    d = np.empty((k, n // QK_K), np.float32)
+    sums = np.empty((k, n // 16), np.int32)
+    if k >= PARALLEL_ROWS:
+        quantize_q8_k_parallel(x, q, d, sums)
+    else:
+        quantize_q8_k(x, q, d, sums)
+    if K_PAIRED[kind]:
+        grouped = k <= _QK_FUSED_TOKENS
+        n_pairs = (n // QK_K + 1) // 2
+        xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
+        dx = np.empty((k, 16 * n_pairs), np.float32)
+        dxs = np.empty((k, 16 * n_pairs), np.float32)
+        _prep_act_k_pair(q, d, sums, xq, dx, dxs, grouped)
+    else:
+        xq = np.empty((k, n), np.uint8)
+        dx = np.empty((k, n // QK_K), np.float32)
+        dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
+        _prep_act_k(q, d, sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
+    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb)
+
+
 def _cpu_matmul_q8_k(kind, raw, act, out):
     k, n = act.q.shape
     if 0 < k <= NATURAL_TOKENS[kind] and NATURAL_FEW:
@@ -1202,6 +1230,16 @@ class _KQuant(QuantFormat):
 
     def _cpu_matmul_q8(self, raw, act, out):
         _cpu_matmul_q8_k(self.kind, raw, act, out)
+
+    def _cpu_matmul_int8(self, raw, x, out):
+        kind = KIND[self.name]
+        k = x.shape[0]
+        if NATURAL_FEW and 0 < k <= NATURAL_TOKENS[kind]:
+            super()._cpu_matmul_int8(raw, x, out)
+        elif k:
+            if x.shape[1] % QK_K:
+                raise ValueError(f"row length {x.shape[1]} is not a multiple of Q8_K's block of {QK_K}")
+            _matmul_f32_via_q8_k(kind, raw, FP16_TO_FP32, x, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k
