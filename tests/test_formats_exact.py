@@ -144,3 +144,14 @@ def test_three_dimensional_tensor_with_per_expert_imatrix(name):
     for e in range(3):
         expect = ggml_quantize(x[e], name, w[e] if (fmt.uses_imatrix or fmt.requires_imatrix) else None)
         np.testing.assert_array_equal(raw[e], expect)
+
+
+def test_f16_matmul_decodes_every_bit_pattern_exactly():
+    # the F16 mat-vec converts its rows with integer and float operations, not the table: every
+    # fp16 pattern (subnormals, infinities, NaN payloads) gives the table's float32 bits
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    from ds4tools.formats.floats import f16_row_to_f32
+    h = np.arange(65536, dtype=np.uint16)
+    got = np.empty(65536, np.float32)
+    f16_row_to_f32(h, got)
+    np.testing.assert_array_equal(got.view(np.uint32), FP16_TO_FP32.view(np.uint32))

@@ -4,6 +4,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from .base import QuantFormat, register
+from ._llvm_ir import f32_from_bits
 from ._numeric import FP16_TO_FP32
 
 
@@ -90,14 +91,31 @@ def _matmul_f32(w, x, out):
             out[t, r] = acc
 
 
+@njit(cache=True, error_model="numpy")
+def f16_row_to_f32(h, out):
+    """out[i] = the float32 value of fp16 bit pattern h[i] (uint16), exactly (the values of
+    FP16_TO_FP32, NaN payloads too), in integer and float operations that vectorize instead of
+    a gather from that 256 KB table (the 4096x14336 F16 mat-vec from memory: 6.5 -> 8.8 GB/s,
+    the two interleaved in one process on a 2-core AVX-512 host). No fastmath: subnormals are em * 2^-24, computed from an integer (no subnormal input to a
+    float operation, which costs a microcode assist on Intel cores)."""
+    for i in range(h.shape[0]):
+        u = np.int32(h[i])
+        em = np.int32(u & np.int32(0x7FFF))
+        sub = np.float32(em) * np.float32(5.9604644775390625e-08)  # 2^-24
+        # exponent rebased by 112 (15 -> 127); by 224 for inf / NaN (31 -> 255, payload kept)
+        rebase = np.int32(224 << 23) if em >= np.int32(0x7C00) else np.int32(112 << 23)
+        nrm = f32_from_bits(np.int32((em << np.int32(13)) + rebase))
+        v = nrm if em >= np.int32(0x400) else sub
+        out[i] = -v if u & np.int32(0x8000) else v
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def _matmul_f16(h, lut, x, out):
+def _matmul_f16(h, x, out):
     n_out, n_in = h.shape
     k = x.shape[0]
     for r in prange(n_out):
         row = np.empty(n_in, np.float32)
-        for i in range(n_in):
-            row[i] = lut[h[r, i]]
+        f16_row_to_f32(h[r], row)
         for t in range(k):
             acc = np.float32(0.0)
             for i in range(n_in):
@@ -162,7 +180,7 @@ class F16(QuantFormat):
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _matmul_f16(raw.view(np.uint16), FP16_TO_FP32, x, out)
+        _matmul_f16(raw.view(np.uint16), x, out)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import floats as k

@@ -23,14 +23,19 @@ SCALAR_MUL = ("imull", "imulq")
 def _exercise(fmt) -> None:
     """Run the format's int8 matmul once on a small matrix so its kernel has a signature."""
     from . import matmul, quantize
+    from .activations import quantize_activations
     n_in = 2 * max(256, fmt.block_size)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, n_in)).astype(np.float32)
     imatrix = np.ones(n_in, np.float32) if fmt.requires_imatrix else None
     raw = quantize(w, fmt.name, imatrix=imatrix)
-    # 8 tokens too: a few tokens may take another kernel (kquants.NATURAL_FEW)
+    # 8 tokens too: a few tokens may take another kernel (kquants.NATURAL_FEW); and from
+    # activations quantized apart (float rows may reach the kernel from compiled code only)
     for k in (1, 2, 8):
-        matmul(raw, fmt.name, w.shape, rng.standard_normal((k, n_in)).astype(np.float32), int8=True)
+        x = rng.standard_normal((k, n_in)).astype(np.float32)
+        matmul(raw, fmt.name, w.shape, x, int8=True)
+        fmt._cpu_matmul_q8(raw, quantize_activations(x, fmt.act_type),
+                           np.empty((k, w.shape[0]), np.float32))
 
 
 def kernel_assembly(fmt, parallel: bool = True, attr: str = "q8_kernel") -> str:
