@@ -197,8 +197,9 @@ class ExpertMatrices:
         ``record``: count the experts read under the call's row count (see ``reads``)."""
         shared = x if isinstance(x, SharedInput) else None
         rows = shared.x if shared is not None else x
-        if self.kq_kind is not None or self.legacy_kind is not None:
-            # one compiled call (the decoder's own C-contiguous buffers: no checks but the ids')
+        if ((self.kq_kind is not None or self.legacy_kind is not None)
+                and out.flags.c_contiguous and rows.dtype == np.float32):
+            # one compiled call (the decoder's own buffers: no checks but the ids')
             ids = expert_ids
             flat = out.reshape(ids.shape[0] * ids.shape[1], self.n_out)
             if self.kq_kind is None:

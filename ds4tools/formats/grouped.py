@@ -259,27 +259,11 @@ def _prep_rows(kind, q, d, sums, rows, xq_f, xq_t, dx, dxs, tiles):
                             xq_f[p:p + 1], dx[p:p + 1], dxs[p:p + 1])
 
 
-def kq_act_buffers(kind: int, rows: int, n: int, tiles: bool):
-    """Empty (xq_f, xq_t, dx, dxs) for ``rows`` activation rows of length n of K-quant ``kind``."""
-    nsb = n // _QK_K
-    if K_PAIRED[kind]:
-        n_pairs = (nsb + 1) // 2
-        return (np.empty((rows, n), np.uint8),
-                np.empty((rows, KPAIR_BYTES * n_pairs) if tiles else (1, 1), np.uint8),
-                np.empty((rows, 16 * n_pairs), np.float32), np.empty((rows, 16 * n_pairs), np.float32))
-    return (np.empty((rows, n), np.uint8), np.empty((1, 1), np.uint8),
-            np.empty((rows, nsb), np.float32),
-            np.empty((rows, n // 16 if K_AFFINE[kind] else 1), np.float32))
-
-
 def prepare_rows(kind: int, act: QuantizedActivations, rows: np.ndarray, max_count: int):
     """The Q8_K activation rows ``rows`` (in that order) laid out for ``grouped_kq``;
     ``max_count``: the most pairs any one expert has (from 5 the Q4_K / Q5_K tiles need their
     own layout)."""
-    tiles = bool(K_PAIRED[kind]) and max_count > _kq._QK_FUSED_TOKENS
-    xq_f, xq_t, dx, dxs = kq_act_buffers(kind, rows.shape[0], act.q.shape[1], tiles)
-    _prep_rows(kind, act.q, act.d, act.sums, rows, xq_f, xq_t, dx, dxs, tiles)
-    return xq_f, xq_t, dx, dxs
+    return prepared_rows(kind, act.q, act.d, act.sums, rows, max_count)
 
 
 @njit(cache=True)
@@ -298,7 +282,8 @@ def quantize_q8k_rows(x):
 
 @njit(cache=True)
 def prepared_rows(kind, q, d, sums, rows, max_count):
-    """prepare_rows in compiled code (the activations as their three arrays)."""
+    """(xq_f, xq_t, dx, dxs): the Q8_K activations (q, d, sums)'s rows ``rows`` in the K
+    layouts (see prepare_rows)."""
     tiles = K_PAIRED[kind] and max_count > _kq._QK_FUSED_TOKENS
     m = rows.shape[0]
     n = q.shape[1]
