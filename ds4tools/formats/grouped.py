@@ -420,8 +420,11 @@ def _kq_rows(kind, raw, lut, xq_f, xq_t, dx, dxs, s, e, out, r_lo, r_hi, run, tb
                     out[t0 + tt, r0 + i] = KSUM(acc, tt * R + i)
 
 
-#: weight rows per task of grouped_kq (a multiple of K_TILE_ROWS)
+#: weight rows per task of grouped_kq (a multiple of K_TILE_ROWS), and when every expert has as
+#: many rows (a decode step: 16-row tasks cost the 1B glm4moe's 8 down projections 1.6x the
+#: kernel time of 256-row ones)
 _GROUPED_ROWS_PER_TASK = 16
+_UNIFORM_ROWS_PER_TASK = 128
 
 
 _NO_ROWS = np.zeros((1, 1), np.uint8)
@@ -459,18 +462,19 @@ def grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, e
     the same parallel call: a MoE block's shared expert (s_raw_*: uint8 (n_out_s, row bytes) of
     K-quant ``s_kind``, activations prepared for it, s_out_a[:s_rows] = rows @ s_raw_a.T ...;
     its tasks matrix-major)."""
-    n_out = raw_a.shape[1]
-    per = _GROUPED_ROWS_PER_TASK
-    n_chunks = (n_out + per - 1) // per
-    n_main = n_chunks * n_mats * n_groups
-    s_out = s_raw_a.shape[0]
-    s_chunks = (s_out + per - 1) // per if s_rows > 0 else 0
     # every expert the same number of rows (a decode step): its tasks in a row, so a thread
-    # streams each matrix front to back; otherwise chunk-major, each thread part of every expert
+    # streams each matrix front to back, in tasks of more rows (fewer calls down to the
+    # kernels); otherwise chunk-major, each thread part of every expert
     uniform = True
     for i in range(1, n_groups):
         if starts[i + 1] - starts[i] != starts[1] - starts[0]:
             uniform = False
+    n_out = raw_a.shape[1]
+    per = _UNIFORM_ROWS_PER_TASK if uniform else _GROUPED_ROWS_PER_TASK
+    n_chunks = (n_out + per - 1) // per
+    n_main = n_chunks * n_mats * n_groups
+    s_out = s_raw_a.shape[0]
+    s_chunks = (s_out + per - 1) // per if s_rows > 0 else 0
     for task in prange(n_main + s_chunks * n_mats):
         if task < n_main:
             if uniform:
