@@ -202,13 +202,13 @@ def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out
 # and up together: the (row, slot) pairs are sorted by expert (``sort_pairs``), the activation
 # rows gathered into that order once (``prepare_rows``), and every (expert, chunk of 16 weight
 # rows, matrix) is one task of a single prange, tasks ordered chunk-major so that a static split
-# of the range gives each thread part of every expert (expert-major where every expert has as
-# many rows, as in a decode step: then each thread streams whole matrices front to back, 1B
-# glm-dsa's routed experts 5-8% faster from memory). A task runs exactly what
-# ``kquants._matmul_q8_kg`` runs for those rows (the fused register kernels for up to 4 tokens
-# of the expert, else the tiles), and those give a (row, token) the same bits whatever path,
-# split or token count computed it: so the results are bit-identical to ``grouped_matmul`` and
-# to a plain matmul of the row.
+# of the range gives each thread part of every expert (expert-major, in chunks of 128 rows,
+# where every expert has as many rows, as in a decode step: then each thread streams whole
+# matrices front to back, 1B glm-dsa's routed experts 5-8% faster from memory). A task runs
+# exactly what ``kquants._matmul_q8_kg`` runs for those rows (the fused register kernels for up
+# to 4 tokens of the expert, else the tiles), and those give a (row, token) the same bits
+# whatever path, split or token count computed it: so the results are bit-identical to
+# ``grouped_matmul`` and to a plain matmul of the row.
 
 
 _QK_K = 256
@@ -437,7 +437,8 @@ def grouped_kq(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts,
     is 2, out_b[rows] = rows @ raw_b[expert].T (gate and up together). raw_*: uint8
     (n_expert, n_out, row bytes) of K-quant ``kind``; one parallel call, its tasks
     (16 weight rows, matrix, expert) ordered chunk-major (a static split of the range gives
-    each thread part of every expert), or expert-major when all have as many rows."""
+    each thread part of every expert), or (128 rows, ...) expert-major when every expert has
+    as many rows."""
     grouped_kq_shared(kind, raw_a, raw_b, n_mats, xq_f, xq_t, dx, dxs, starts, experts, n_groups,
                       out_a, out_b, kind, _NO_ROWS, _NO_ROWS, xq_f, xq_t, dx, dxs, 0, out_a, out_b)
 
