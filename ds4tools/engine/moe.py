@@ -32,9 +32,10 @@ from numba import njit
 
 from .. import formats
 from ..formats._numeric import FP16_TO_FP32
+from ..formats.activations import quantize_q8_k_rows
 from ..formats.grouped import (LEGACY_F32_KIND, grouped_kq_act, grouped_kq_f32, grouped_kq_shared,
                                grouped_legacy_f32, grouped_matmul, kq_kind, prepared_rows,
-                               quantize_q8k_rows, sort_pairs)
+                               sort_pairs)
 from . import kernels
 from .backends.cpu import CPU
 from .kernels import weighted_sum  # noqa: F401  (this block's slot sum: deepseek4 and tp use it)
@@ -483,7 +484,7 @@ def routed_experts_kq(x, ids, weights, n_expert, g_kind, g_raw, u_raw, d_kind, d
     max_count = 1
     for i in range(n):
         max_count = max(max_count, starts[i + 1] - starts[i])
-    q, d, sums = quantize_q8k_rows(x)
+    q, d, sums = quantize_q8_k_rows(x)
     xq_f, xq_t, dx, dxs = prepared_rows(g_kind, q, d, sums, rows, max_count)
     all_rows = np.arange(k)
     if s_on:
@@ -497,10 +498,10 @@ def routed_experts_kq(x, ids, weights, n_expert, g_kind, g_raw, u_raw, d_kind, d
                           gate, up, sg_kind, sg_raw, su_raw, xq_f, xq_t, dx, dxs, 0,
                           s_gate, s_up)
     _swiglu_rows(gate, up)
-    q, d, sums = quantize_q8k_rows(gate)
+    q, d, sums = quantize_q8_k_rows(gate)
     xq_f, xq_t, dx, dxs = prepared_rows(d_kind, q, d, sums, np.arange(P), max_count)
     if s_on:
-        q, d, sums = quantize_q8k_rows(s_gate)
+        q, d, sums = quantize_q8_k_rows(s_gate)
         sxq_f, sxq_t, sdx, sdxs = prepared_rows(sd_kind, q, d, sums, all_rows, k)
         grouped_kq_shared(d_kind, d_raw, d_raw, 1, xq_f, xq_t, dx, dxs, starts, experts, n,
                           down, down, sd_kind, sd_raw, sd_raw, sxq_f, sxq_t, sdx, sdxs, k,

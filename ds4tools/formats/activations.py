@@ -165,6 +165,20 @@ def quantize_q8_k_parallel(x, q, d, sums):
         _q8_k_row(x[t], q[t], d[t], sums[t])
 
 
+@njit(cache=True)
+def quantize_q8_k_rows(x):
+    """quantize_activations(x, "Q8_K")'s arrays, for compiled callers: (q, d, sums)."""
+    k, n = x.shape
+    q = np.empty((k, n), np.int8)
+    d = np.empty((k, n // QK_K), np.float32)
+    sums = np.empty((k, n // QK8_K_SUM), np.int32)
+    if k >= PARALLEL_ROWS:
+        quantize_q8_k_parallel(x, q, d, sums)
+    else:
+        quantize_q8_k(x, q, d, sums)
+    return q, d, sums
+
+
 def quantize_activations(x: np.ndarray, kind: str) -> QuantizedActivations:
     """Quantize float32 rows x (k, n), C-contiguous, to ``kind`` ("Q8_0" or "Q8_K")."""
     k, n = x.shape

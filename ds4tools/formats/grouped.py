@@ -37,8 +37,7 @@ from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_A
                        DOT_K_4x2_SYM, K_AFFINE, K_PAIRED, K_TILE_ROWS, KPAIR_BYTES, KSUM,
                        KSUM_STORE_4x4)
 from ._numeric import FP16_TO_FP32
-from .activations import (QuantizedActivations, quantize_activations, quantize_q8_k,
-                          quantize_q8_k_parallel)
+from .activations import QuantizedActivations, quantize_activations, quantize_q8_k_rows
 from .base import QuantFormat
 
 
@@ -267,20 +266,6 @@ def prepare_rows(kind: int, act: QuantizedActivations, rows: np.ndarray, max_cou
 
 
 @njit(cache=True)
-def quantize_q8k_rows(x):
-    """quantize_activations(x, "Q8_K") in compiled code: (q, d, sums) of every row."""
-    k, n = x.shape
-    q = np.empty((k, n), np.int8)
-    d = np.empty((k, n // _QK_K), np.float32)
-    sums = np.empty((k, n // 16), np.int32)
-    if k >= 64:
-        quantize_q8_k_parallel(x, q, d, sums)
-    else:
-        quantize_q8_k(x, q, d, sums)
-    return q, d, sums
-
-
-@njit(cache=True)
 def prepared_rows(kind, q, d, sums, rows, max_count):
     """(xq_f, xq_t, dx, dxs): the Q8_K activations (q, d, sums)'s rows ``rows`` in the K
     layouts (see prepare_rows)."""
@@ -343,7 +328,7 @@ def grouped_kq_act(kind, raw3d, q, d, sums, expert_ids, out):
 @njit(cache=True)
 def grouped_kq_f32(kind, raw3d, x, expert_ids, out):
     """grouped_kq_act of float32 rows x (k, n_in), quantized to Q8_K here."""
-    q, d, sums = quantize_q8k_rows(x)
+    q, d, sums = quantize_q8_k_rows(x)
     return grouped_kq_act(kind, raw3d, q, d, sums, expert_ids, out)
 
 

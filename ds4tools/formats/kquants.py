@@ -41,7 +41,7 @@ from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NA
                            NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
                            NATURAL_K2_Q5_K, NATURAL_K2_Q6_K)
 from ._llvm_ir import host_cpu_features
-from .activations import PARALLEL_ROWS, quantize_q8_k, quantize_q8_k_parallel
+from .activations import quantize_q8_k_rows
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
                       from_lanes, make_qp_quants, make_qx_quants, nearest_int, q3_search_lanes,
@@ -1138,42 +1138,22 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
 def _act_layout_k(kind, act):
     """(xq, dx, dxs): the Q8_K activations ``act`` as _matmul_q8_kg takes them for ``kind``,
     made once per layout and kept on act (see QuantizedActivations)."""
-    k, n = act.q.shape
+    k = act.q.shape[0]
     if K_PAIRED[kind]:
-        grouped = k <= _QK_FUSED_TOKENS  # the fused kernels read x in the group layout
-        key = ("k-pair", grouped)
+        key = ("k-pair", k <= _QK_FUSED_TOKENS)  # the fused kernels read x in the group layout
     else:
         key = ("k", bool(K_AFFINE[kind]))
     got = act.layouts.get(key)
-    if got is not None:
-        return got
-    if K_PAIRED[kind]:
-        n_pairs = (n // QK_K + 1) // 2
-        xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
-        dx = np.empty((k, 16 * n_pairs), np.float32)
-        dxs = np.empty((k, 16 * n_pairs), np.float32)
-        _prep_act_k_pair(act.q, act.d, act.sums, xq, dx, dxs, grouped)
-    else:
-        xq = np.empty((k, n), np.uint8)
-        dx = np.empty((k, n // QK_K), np.float32)
-        dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
-        _prep_act_k(act.q, act.d, act.sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
-    got = act.layouts[key] = (xq, dx, dxs)
+    if got is None:
+        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums)
     return got
 
 
 @njit(cache=True)
-def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb):
-    # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
-    # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
-    k, n = x.shape
-    q = np.empty((k, n), np.int8)
-    d = np.empty((k, n // QK_K), np.float32)
-    sums = np.empty((k, n // 16), np.int32)
-    if k >= PARALLEL_ROWS:
-        quantize_q8_k_parallel(x, q, d, sums)
-    else:
-        quantize_q8_k(x, q, d, sums)
+def _layout_k(kind, q, d, sums):
+    # (xq, dx, dxs): Q8_K activations in the layout _matmul_q8_kg takes for ``kind`` (the group
+    # layout for Q4_K / Q5_K up to _QK_FUSED_TOKENS rows, which the fused kernels read)
+    k, n = q.shape
     if K_PAIRED[kind]:
         grouped = k <= _QK_FUSED_TOKENS
         n_pairs = (n // QK_K + 1) // 2
@@ -1186,6 +1166,15 @@ def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb):
         dx = np.empty((k, n // QK_K), np.float32)
         dxs = np.empty((k, n // 16 if K_AFFINE[kind] else 1), np.float32)
         _prep_act_k(q, d, sums, 0 if K_AFFINE[kind] else 128, xq, dx, dxs)
+    return xq, dx, dxs
+
+
+@njit(cache=True)
+def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb):
+    # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
+    # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
+    q, d, sums = quantize_q8_k_rows(x)
+    xq, dx, dxs = _layout_k(kind, q, d, sums)
     _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb)
 
 
