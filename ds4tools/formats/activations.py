@@ -190,12 +190,11 @@ def quantize_activations(x: np.ndarray, kind: str) -> QuantizedActivations:
         raise ValueError(f"unknown activation type {kind!r} (use {', '.join(KINDS)})")
     if n % block:
         raise ValueError(f"row length {n} is not a multiple of {kind}'s block of {block}")
+    if kind == "Q8_K":
+        return QuantizedActivations(kind, *quantize_q8_k_rows(x))
     q = np.empty((k, n), np.int8)
     d = np.empty((k, n // block), np.float32)
     sums = np.empty((k, n // per_sum), np.int32)
     parallel = k >= PARALLEL_ROWS
-    if kind == "Q8_0":
-        (quantize_q8_0_parallel if parallel else quantize_q8_0)(x, q, d, sums, FP16_TO_FP32)
-    else:
-        (quantize_q8_k_parallel if parallel else quantize_q8_k)(x, q, d, sums)
+    (quantize_q8_0_parallel if parallel else quantize_q8_0)(x, q, d, sums, FP16_TO_FP32)
     return QuantizedActivations(kind, q, d, sums)

@@ -134,7 +134,7 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
             raise ValueError(f"act must be {f.act_type} activations of shape ({k}, {n_in})")
     kind = kq_kind(f) if use_int8 else None
     if kind is not None:  # the K-quants: one parallel call for every used expert
-        _grouped_kq_matmul(kind, r, act, ids, out.reshape(k * n_used, n_out))
+        grouped_kq_act(kind, r, act.q, act.d, act.sums, ids, out.reshape(k * n_used, n_out))
         return out
     kind = None if use_int8 else LEGACY_F32_KIND.get(f.name)
     if kind is not None:  # the 32-block formats' float32 path: one parallel call as well
@@ -432,12 +432,6 @@ def kq_kind(fmt) -> int | None:
     """The K-quant kind of a format (the grouped_kq path), or None."""
     f = fmt if isinstance(fmt, QuantFormat) else _get_format(fmt)
     return _kq.KIND.get(f.name) if isinstance(f, _kq._KQuant) else None
-
-
-def _grouped_kq_matmul(kind: int, raw3d: np.ndarray, act: QuantizedActivations, ids: np.ndarray,
-                       out: np.ndarray) -> int:
-    # out (k * n_used, n_out): row t * n_used + j = activation row t times expert ids[t, j]
-    return grouped_kq_act(kind, raw3d, act.q, act.d, act.sums, ids, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
