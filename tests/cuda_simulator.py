@@ -1,8 +1,8 @@
 """Runs test files of tests/cuda in a pytest child process under numba's CUDA simulator.
 
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, which the calling process has
-already done; a child process starts clean. Two test files call this (the kernels, the engine),
-so that pytest-xdist can give them a worker each.
+already done; a child process starts clean. Three test files call this (the kernels, the engine,
+latent attention), so that pytest-xdist can give them a worker each.
 """
 import os
 import subprocess
@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: tests/cuda's files, in two runs: the kernels and the CUDA benchmark's tiny run; the engine
+#: tests/cuda's files, in three runs: the kernels and the CUDA benchmark's tiny run; the engine
+#: (llama, qwen3, glm4moe); the engine with latent attention (deepseek2)
 KERNEL_FILES = ("test_cuda_formats.py", "test_engine_matmul.py", "test_engine_ops.py",
                 "test_bench_cuda.py")
 ENGINE_FILES = ("test_engine_cuda.py",)
+MLA_FILES = ("test_engine_cuda_mla.py",)
 
 
 def run_simulated(*files: str) -> None:

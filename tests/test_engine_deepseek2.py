@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds4tools.engine import Engine
-from ds4tools.engine.mla import LatentCache
+from ds4tools.engine.latent_cache import LatentCache
 from ds4tools.errors import UsageError
 from tests import llamacpp_families
 from tests.llamacpp_families import (assert_lookup_is_lossless, assert_one_line_error,

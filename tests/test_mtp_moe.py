@@ -30,7 +30,7 @@ from ds4tools.engine import Engine
 from ds4tools.engine.dsa import INDEXER_TENSORS, DSACache
 from ds4tools.engine.generate import decode
 from ds4tools.engine.kv_cache import KVCache
-from ds4tools.engine.mla import LatentCache
+from ds4tools.engine.latent_cache import LatentCache
 from ds4tools.engine.sampling import Sampler
 from ds4tools.engine.speculative import SpecStats, speculative_decode
 from ds4tools.engine.speculative.config import SpecConfig

@@ -37,7 +37,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture(glm4moe.ARCH, glm4moe.read_hparams, glm4moe.load_weights,
                  glm4moe.Glm4MoeTransformer, dspark_drafts=False, devices=("cpu", "cuda")),
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
-                 deepseek2.Deepseek2Transformer, dspark_drafts=False),
+                 deepseek2.Deepseek2Transformer, dspark_drafts=False, devices=("cpu", "cuda")),
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
                  glm_dsa.GlmDsaTransformer, dspark_drafts=False),
     Architecture(deepseek4.ARCH, deepseek4.read_hparams, deepseek4.load_weights,

@@ -209,22 +209,23 @@ def _expected_names(hp: Deepseek2HParams) -> set[str]:
 # --- the decoder --------------------------------------------------------------------------------
 
 
-def layer_forward(x: np.ndarray, lw: Deepseek2LayerWeights, hp: Deepseek2HParams,
-                  cache: LatentCache, layer: int, positions: np.ndarray, limits: np.ndarray,
-                  rope: tuple, ws, mla_ws: MLAWorkspace, moe_ws: MoEWorkspace) -> None:
+def layer_forward(x, lw: Deepseek2LayerWeights, hp: Deepseek2HParams, cache: LatentCache,
+                  layer: int, positions, limits, rope: tuple, ws: Workspace,
+                  mla_ws: MLAWorkspace, moe_ws: MoEWorkspace) -> None:
     """One decoder layer on x (k, n_embd), in place (see transformer.layer_forward for
-    ``positions`` and ``limits``)."""
+    ``positions`` and ``limits``), on the device of ``ws.ops``."""
     mla_attention_block(x, lw.attn, hp.mla, hp.rms_eps, hp.kq_scale, cache, layer, positions,
                         limits, rope, mla_ws)
+    ops = ws.ops
     k = x.shape[0]
     h = ws.norm[:k]
     o = ws.proj[:k]
-    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
+    ops.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
     if lw.moe is not None:
         moe_forward(h, lw.moe, hp.moe, moe_ws, o)
     else:
-        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o)
-    kernels.add_into(x, o)
+        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o, ops)
+    ops.add_into(x, o)
 
 
 class Deepseek2NextN:
@@ -236,14 +237,15 @@ class Deepseek2NextN:
         self.model = model
         self.layer = layer
         self.cache = model.new_cache(n_layer=1)
-        self.ws = Workspace(hp, model.chunk)
-        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
-        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
+        self.ws = Workspace(hp, model.chunk, model.ops)
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows, model.ops)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows, model.ops)
 
-    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+    def forward(self, x, positions: np.ndarray, limits: np.ndarray) -> None:
         """x (k <= chunk rows, n_embd) through the layer, in place; writes the latent rows at
         ``positions`` (checked by the caller: MtpHead runs positions 0.. in order)."""
         m = self.model
+        positions, limits = m.ops.asarray(positions), m.ops.asarray(limits)
         layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
                       self.mla_ws, self.moe_ws)
 
@@ -255,25 +257,28 @@ class Deepseek2Transformer(Transformer):
     dense_mtp_heads = False  # its NextN layer is this module's (attention + experts)
 
     def __init__(self, hp: Deepseek2HParams, weights: ModelWeights, *, n_ctx: int,
-                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
-        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk)
+                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK, device: str = "cpu"):
+        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk,
+                         device=device)
         # always through the YaRN formula: with ext_factor 0 it is plain (linear) scaling with
         # the tables multiplied by attn_factor, which is what llama.cpp's rope does
-        self.rope = kernels.rope_tables(
+        cos, sin = kernels.rope_tables(
             n_ctx, hp.n_rot, hp.rope_freq_base, freq_scale=hp.rope_freq_scale,
             yarn=(hp.rope_n_ctx_orig, hp.yarn_beta_fast, hp.yarn_beta_slow, hp.yarn_ext_factor,
                   hp.yarn_attn_factor))
-        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
-        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
+        self.rope = (self.ops.asarray(cos), self.ops.asarray(sin))
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows, self.ops)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows, self.ops)
 
     def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None) -> LatentCache:
         hp = self.hp
         n_ctx = n_ctx or self.n_ctx
         if n_ctx > self.n_ctx:
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
-        return LatentCache(n_layer or hp.n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, self.cache_type)
+        return self.ops.latent_cache(n_layer or hp.n_layer, n_ctx, hp.mla.n_lora_kv,
+                                     hp.mla.n_rot, self.cache_type)
 
-    def run_layers(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray,
+    def run_layers(self, x, positions: np.ndarray, limits: np.ndarray,
                    cache: LatentCache, hidden: dict | None = None, layers=None) -> None:
         # The kernels do not check bounds: everything they index is checked here, once.
         positions = np.ascontiguousarray(positions, np.int64)
@@ -281,7 +286,8 @@ class Deepseek2Transformer(Transformer):
         k = x.shape[0]
         if k > self.ws.rows:
             raise ValueError(f"{k} rows exceed the workspace of {self.ws.rows}")
-        if x.shape != (k, self.hp.n_embd) or x.dtype != np.float32 or not x.flags.c_contiguous:
+        if (x.shape != (k, self.hp.n_embd) or x.dtype != np.float32
+                or not self.ops.is_c_contiguous(x)):
             raise ValueError(f"x must be C-contiguous float32 of shape (k, {self.hp.n_embd})")
         if positions.shape != (k,) or limits.shape != (k,):
             raise ValueError("positions and limits need one entry per row")
@@ -290,13 +296,16 @@ class Deepseek2Transformer(Transformer):
         if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
                   or limits.min() < 1 or limits.max() > cache.n_ctx):
             raise ValueError(f"positions must lie in [0, {cache.n_ctx}) and limits in [1, {cache.n_ctx}]")
-        for il in (range(self.hp.n_layer) if layers is None else layers):
+        layers = range(self.hp.n_layer) if layers is None else tuple(layers)
+        for il in layers:
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
+        positions, limits = self.ops.asarray(positions), self.ops.asarray(limits)
+        for il in layers:
             layer_forward(x, self.weights.layers[il], self.hp, cache, il, positions, limits,
                           self.rope, self.ws, self.mla_ws, self.moe_ws)
             if hidden is not None and il in hidden:
-                hidden[il].append(x.copy())
+                hidden[il].append(self.ops.host_copy(x))
 
     # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
 

@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from ..formats._numeric import FP16_TO_FP32
 from . import kernels
-from .mla import LatentCache, LatentSnapshot, _decode_f16, _store_f16, _store_f32
+from .latent_cache import LatentCache, LatentSnapshot, _decode_f16, _store_f16, _store_f32
 from .weights import Linear, _linear, _vector
 
 #: the indexer's tensors under ``blk.N.`` (llama.cpp's names)

@@ -4,11 +4,13 @@ An architecture is written once against a small set of operations, which a backe
 implements on arrays of its own device:
 
     buffers     empty(shape), asarray(host array), to_host(array), host_copy(array),
-                copy_into(dst, src), concat_columns(a, b, out), is_c_contiguous(array)
+                copy_into(dst, src) (either may be a strided view), concat_columns(a, b, out),
+                is_c_contiguous(array)
     weights     place_weights(weights): matrices stay in their GGUF block formats; a placed
                 matrix has ``matmul(x, out)`` (fused dequantize-matmul) and ``rows(ids)``
     row ops     rmsnorm, add_bias, add_into, swiglu, rope
-    attention   kv_cache(...): a cache on the device with ``store`` and ``attend``
+    attention   kv_cache(...), latent_cache(...) (MLA's): caches on the device with ``store``
+                and ``attend``
 
 Every operation computes each row with the same code in the same order whatever the number of
 rows, on every backend: a token's logits do not depend on its batch, so speculative greedy

@@ -5,6 +5,7 @@ import numpy as np
 
 from .. import kernels
 from ..kv_cache import KVCache
+from ..latent_cache import LatentCache
 
 
 class CpuBackend:
@@ -65,6 +66,11 @@ class CpuBackend:
     def kv_cache(n_layer: int, n_kv_head: int, n_ctx: int, head_dim: int,
                  cache_type: str = "f32") -> KVCache:
         return KVCache(n_layer, n_kv_head, n_ctx, head_dim, cache_type)
+
+    @staticmethod
+    def latent_cache(n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
+                     cache_type: str = "f32") -> LatentCache:
+        return LatentCache(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
 
 
 CPU = CpuBackend()

@@ -13,7 +13,8 @@ import numpy as np
 from numba import cuda
 
 from ....formats._numeric import FP16_TO_FP32
-from ...kv_cache import KVCache, KVSnapshot
+from ...kv_cache import CACHE_TYPES, KVCache, KVSnapshot
+from ...latent_cache import LatentCache, LatentSnapshot
 from ...moe import ExpertMatrices
 from ...weights import Linear, SharedInput
 from .. import BackendUnavailable
@@ -144,6 +145,47 @@ class DeviceKVCache(KVCache):
         ops.attention(q, self.k[layer], self.v[layer], limits, np.float32(scale), out, lut)
 
 
+class DeviceLatentCache(LatentCache):
+    """LatentCache's interface (MLA's cache: one latent row per layer and position) over a
+    device array; attention reads the rows as keys and their first kv_lora_rank columns as
+    values (ops.attention on two views of the same rows)."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
+                 cache_type: str = "f32"):
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"unknown cache type {cache_type!r} (use {' or '.join(CACHE_TYPES)})")
+        if min(n_layer, n_ctx, n_lora_kv, n_rot) <= 0:
+            raise ValueError("latent cache dimensions must be positive")
+        dtype = np.float32 if cache_type == "f32" else np.uint16
+        self.rows = _zeros((n_layer, n_ctx, n_lora_kv + n_rot), dtype)
+        self.n_lora_kv = n_lora_kv
+        self.cache_type = cache_type
+        self.n_ctx = n_ctx
+        self.length = 0
+
+    def snapshot(self) -> LatentSnapshot:
+        """A device copy of the rows (all of them, as DeviceKVCache) and the length."""
+        return LatentSnapshot(self.length, _device_copy(self.rows))
+
+    def restore(self, snap: LatentSnapshot) -> None:
+        if snap.rows.shape != self.rows.shape or snap.rows.dtype != self.rows.dtype:
+            raise ValueError("snapshot does not fit this cache")
+        self.rows.copy_to_device(snap.rows)
+        self.length = snap.length
+
+    def store(self, layer: int, latent, positions) -> None:
+        ops.store_rows(self.rows[layer], latent, positions)
+
+    def attend(self, layer: int, q, limits, scale: float, out, selected=None) -> None:
+        if selected is not None:
+            raise NotImplementedError("attention over selected positions (a sparse attention's "
+                                      "choice) does not run on the CUDA backend yet")
+        rows = self.rows[layer]
+        keys = rows.reshape(1, *rows.shape)
+        lut = None if self.cache_type == "f32" else CUDA.fp16_table()
+        ops.attention(q, keys, keys[:, :, :self.n_lora_kv], limits, np.float32(scale), out, lut)
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -171,8 +213,11 @@ class CudaBackend:
 
     @staticmethod
     def copy_into(dst, src) -> None:
-        """dst[...] = src, both on the device, of one shape, C-contiguous."""
-        dst.copy_to_device(src)
+        """dst[...] = src, both on the device, of one shape (either may be a strided view)."""
+        if dst.is_c_contiguous() and src.is_c_contiguous():
+            dst.copy_to_device(src)
+        else:
+            ops.copy_strided(dst, src)
 
     concat_columns = staticmethod(_concat_columns)
 
@@ -234,6 +279,11 @@ class CudaBackend:
     def kv_cache(n_layer: int, n_kv_head: int, n_ctx: int, head_dim: int,
                  cache_type: str = "f32") -> DeviceKVCache:
         return DeviceKVCache(n_layer, n_kv_head, n_ctx, head_dim, cache_type)
+
+    @staticmethod
+    def latent_cache(n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
+                     cache_type: str = "f32") -> DeviceLatentCache:
+        return DeviceLatentCache(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
 
 
 def _zeros(shape, dtype):

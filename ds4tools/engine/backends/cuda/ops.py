@@ -17,14 +17,14 @@ Thread layouts
 * attention: one block of ATTENTION_THREADS threads (one warp) per (query row t, query head h);
   head h reads kv head h // (n_head // n_kv_head). Keys are visited in tiles of
   ATTENTION_THREADS, from key 0 up to limits[t]:
-    1. thread j scores key j0 + j of the tile (dot product over head_dim in index order);
+    1. thread j scores key j0 + j of the tile (dot product over the key width, in order);
     2. the tile's maximum and, after exponentiation against the running maximum, the tile's sum
        of weights are added in thread order from shared memory;
     3. the running total and the per-dimension accumulators are rescaled by
        exp(old max - new max) (an online softmax, so scores need no scratch memory; a tile that
        does not raise the maximum rescales by exactly 1), then thread i adds weight * value for
        the tile's keys in key order into dims i, i + ATTENTION_THREADS, ... (a per-thread
-       local array of DIMS_PER_THREAD floats: head_dim <= MAX_HEAD_DIM);
+       local array of DIMS_PER_THREAD floats: value width <= MAX_HEAD_DIM);
     4. out = accumulator * (1 / total), written once at the end.
   Value reads are coalesced (consecutive threads, consecutive dims); key reads are not (thread
   j reads key row j) -- simple first, a shared-memory key tile would be the next step.
@@ -60,7 +60,7 @@ from ....formats.floats import f32_bits_to_f16
 ELEMENT_THREADS = 64     # threads per block of the element-wise kernels
 ROW_THREADS = 64         # threads per row in rmsnorm
 ATTENTION_THREADS = 32   # threads per (row, head) in attention = keys per tile (power of two)
-DIMS_PER_THREAD = 16     # accumulator registers per attention thread: head_dim <= 32 * 16
+DIMS_PER_THREAD = 16     # accumulator registers per attention thread: values <= 32 * 16
 MAX_HEAD_DIM = ATTENTION_THREADS * DIMS_PER_THREAD
 
 assert ROW_THREADS & (ROW_THREADS - 1) == 0 and ROW_THREADS % 32 == 0
@@ -291,6 +291,72 @@ def store_kv_f16(cache_k, cache_v, k_rows, v_rows, positions):
 
 
 @cuda.jit
+def _store_rows_f32_kernel(cache, rows, positions):
+    idx = cuda.grid(1)
+    width = rows.shape[1]
+    if idx < rows.shape[0] * width:
+        t = idx // width
+        i = idx - t * width
+        cache[positions[t], i] = rows[t, i]
+
+
+@cuda.jit
+def _store_rows_f16_kernel(cache, bits, positions):
+    idx = cuda.grid(1)
+    width = bits.shape[1]
+    if idx < bits.shape[0] * width:
+        t = idx // width
+        i = idx - t * width
+        cache[positions[t], i] = f32_bits_to_f16(np.int64(bits[t, i]))
+
+
+def store_rows(cache, rows, positions):
+    """cache (n_ctx, width) <- rows (k, width) float32 at positions (device int64 (k,)): float32
+    as they are, or into a uint16 cache as fp16 rounded like the CPU's (MLA's latent cache)."""
+    if rows.size == 0:
+        return
+    blocks, threads = _element_grid(rows.size)
+    if cache.dtype == np.float32:
+        _store_rows_f32_kernel[blocks, threads](cache, rows, positions)
+    else:
+        _store_rows_f16_kernel[blocks, threads](cache, rows.view(np.uint32), positions)
+
+
+@cuda.jit
+def _copy_2d_kernel(dst, src):
+    idx = cuda.grid(1)
+    n = dst.shape[1]
+    if idx < dst.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        dst[t, i] = src[t, i]
+
+
+@cuda.jit
+def _copy_3d_kernel(dst, src):
+    idx = cuda.grid(1)
+    n1, n2 = dst.shape[1], dst.shape[2]
+    if idx < dst.shape[0] * n1 * n2:
+        i = idx % n2
+        th = idx // n2
+        t = th // n1
+        h = th - t * n1
+        dst[t, h, i] = src[t, h, i]
+
+
+def copy_strided(dst, src):
+    """dst[...] = src for 2-D or 3-D arrays of one shape, either a strided view (a plain copy:
+    exact)."""
+    if dst.shape != src.shape or dst.ndim not in (2, 3):
+        raise ValueError(f"copy: shapes {dst.shape} and {src.shape} (2-D or 3-D, equal)")
+    if dst.size == 0:
+        return
+    blocks, threads = _element_grid(dst.size)
+    kernel = _copy_2d_kernel if dst.ndim == 2 else _copy_3d_kernel
+    kernel[blocks, threads](dst, src)
+
+
+@cuda.jit
 def _weighted_sum_kernel(expert_out, weights, out):
     t, i = cuda.grid(2)
     if t < out.shape[0] and i < out.shape[1]:
@@ -330,7 +396,7 @@ def _make_attention_kernel(read_cache):
 
     @cuda.jit
     def attention_kernel(q, cache_k, cache_v, limits, scale, lut, out):
-        n_head, head_dim = q.shape[1], q.shape[2]
+        n_head, key_dim, value_dim = q.shape[1], q.shape[2], out.shape[2]
         row_head = cuda.blockIdx.x
         t = row_head // n_head
         h = row_head - t * n_head
@@ -349,7 +415,7 @@ def _make_attention_kernel(read_cache):
             score = _NEG_INF
             if key < limit:
                 dot = _ZERO
-                for i in range(head_dim):
+                for i in range(key_dim):
                     dot += q[t, h, i] * read_cache(cache_k, lut, g, key, i)
                 score = dot * scale
             new_max = max(running_max, _block_max(scratch, tid, score))
@@ -366,7 +432,7 @@ def _make_attention_kernel(read_cache):
             n_keys = min(ATTENTION_THREADS, limit - j0)
             for d in range(DIMS_PER_THREAD):
                 i = tid + d * ATTENTION_THREADS
-                if i < head_dim:
+                if i < value_dim:
                     a = acc[d] * rescale
                     for j in range(n_keys):  # key order
                         a += weights[j] * read_cache(cache_v, lut, g, j0 + j, i)
@@ -375,7 +441,7 @@ def _make_attention_kernel(read_cache):
         inv_total = _ONE / total
         for d in range(DIMS_PER_THREAD):
             i = tid + d * ATTENTION_THREADS
-            if i < head_dim:
+            if i < value_dim:
                 out[t, h, i] = acc[d] * inv_total
 
     return attention_kernel
@@ -388,14 +454,20 @@ _attention_f16_kernel = _make_attention_kernel(_read_f16)
 def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None):
     """softmax(scale * q . k) weighted sum of values over cache rows [0, limits[t]) for row t.
 
-    q, out (k, n_head, head_dim); cache_* (n_kv_head, n_ctx, head_dim): float32, or uint16 fp16
-    bit patterns when f16_lut (a device copy of formats._numeric.FP16_TO_FP32) is given;
+    q (k, n_head, key_dim), out (k, n_head, value_dim); cache_k (n_kv_head, n_ctx, key_dim),
+    cache_v (n_kv_head, n_ctx, >= value_dim), either may be a strided view (MLA's latent cache
+    passes its rows as keys and their first kv_lora_rank columns as values): float32, or uint16
+    fp16 bit patterns when f16_lut (a device copy of formats._numeric.FP16_TO_FP32) is given;
     limits device int64 (k,). Query head h reads kv head h // (n_head // n_kv_head) (GQA).
     A row with limit 0 gives NaN (0 / 0), as on the CPU."""
-    k, n_head, head_dim = q.shape
+    k, n_head, key_dim = q.shape
+    value_dim = out.shape[2]
     n_kv = cache_k.shape[0]
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"attention: head_dim {head_dim} > {MAX_HEAD_DIM} (raise DIMS_PER_THREAD)")
+    if value_dim > MAX_HEAD_DIM:
+        raise ValueError(f"attention: value width {value_dim} > {MAX_HEAD_DIM} "
+                         f"(raise DIMS_PER_THREAD)")
+    if cache_k.shape[2] != key_dim or cache_v.shape[2] < value_dim or cache_v.shape[0] != n_kv:
+        raise ValueError("attention: the cache does not fit the query and output widths")
     if n_kv == 0 or n_head % n_kv:
         raise ValueError(f"attention: {n_head} query heads do not share {n_kv} kv heads evenly")
     if k * n_head == 0:
