@@ -210,7 +210,7 @@ def inspect_cmd(file, as_json, tensors, keys, target):
                    "mpiexec -n N the processes join that world (docs/engine.md).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the model runs: cuda keeps weights (in their GGUF formats), cache and "
-                   "activations on an NVIDIA GPU (the cuda extra; llama, qwen3, glm4moe, deepseek2 "
+                   "activations on an NVIDIA GPU (the cuda extra; every architecture but deepseek4 "
                    "so far).")
 def run_cmd(model, prompt, prompt_file, n_predict, temp, top_k, top_p, min_p, seed, ctx, threads,
             cache_type, exact, stats, as_json, mtp_file, mtp_draft, mtp_margin, glm_mtp,

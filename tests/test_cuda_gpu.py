@@ -4,7 +4,7 @@ The same checks as tests/cuda/test_engine_cuda.py (which CI runs under numba's s
 models with real row lengths (1024 and 2816 wide, every format the engine runs, a 4096-token
 vocabulary): logits equal to the CPU's exact path to float32 rounding; a token's logits
 bit-identical alone or in verify batches of 2..16 rows; truncate + re-decode; greedy
-speculative decoding equal to plain decoding; glm4moe and deepseek2 models (Q4_K, Q8_0) against
+speculative decoding equal to plain decoding; glm4moe, deepseek2 and glm-dsa models against
 the CPU and in batches. Skipped where no GPU is present (CI).
 """
 import numpy as np
@@ -127,3 +127,30 @@ def test_deepseek2_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
     gpu.cache.truncate(8)
     single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[8:16], 8)])
     np.testing.assert_array_equal(got[8:16].view(np.uint32), single.view(np.uint32))
+
+
+def _glm_dsa(model_dir, device):
+    from ds4tools.engine import glm_dsa
+    from tests.glm_dsa_model import GlmDsaConfig, write_model
+    # GLM-5's attention widths, an indexer keeping 16 of the 40 positions, a shared indexer layer
+    cfg = GlmDsaConfig(n_vocab=4096, n_embd=1024, n_layer=3, n_head=16, n_lora_q=512,
+                       n_lora_kv=512, n_nope=128, n_rot=64, n_v=128, n_ff=2816, n_ff_exp=512,
+                       n_expert=16, n_expert_used=4, idx_head=8, idx_dim=128, idx_top_k=16,
+                       idx_types=(True, False, True), n_ctx=256)
+    path = model_dir / "glm-dsa-q8_0.gguf"
+    if not path.exists():
+        write_model(path, cfg, "Q8_0", seed=4)
+    f = open_gguf(str(path))
+    hp = glm_dsa.read_hparams(f.metadata, n_vocab_tensor=cfg.n_vocab)
+    return glm_dsa.GlmDsaTransformer(hp, glm_dsa.load_weights(f.tensors, hp, int8="none"),
+                                     n_ctx=128, device=device)
+
+
+def test_glm_dsa_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
+    want = _glm_dsa(model_dir, "cpu").forward(TOKENS, 0).logits
+    gpu = _glm_dsa(model_dir, "cuda")
+    got = gpu.forward(TOKENS, 0).logits
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    gpu.cache.truncate(20)
+    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[20:28], 20)])
+    np.testing.assert_array_equal(got[20:28].view(np.uint32), single.view(np.uint32))

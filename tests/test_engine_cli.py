@@ -230,12 +230,12 @@ def test_device_cuda_without_a_gpu_is_a_usage_error(model):
 
 
 def test_device_cuda_names_the_architectures_it_runs(tmp_path):
-    from tests.glm_dsa_model import write_model
-    path = tmp_path / "glm-dsa.gguf"
+    from tests.deepseek4_model import write_model
+    path = tmp_path / "deepseek4.gguf"
     write_model(path)
     code, out, err = run("-m", path, "-p", PROMPT, "--device", "cuda")
     assert code == 2 and out == ""
-    assert err == f"ds4tools: {path}: --device cuda: glm-dsa models run on cpu so far\n"
+    assert err == f"ds4tools: {path}: --device cuda: deepseek4 models run on cpu so far\n"
 
 
 def test_device_cuda_with_tensor_parallelism_is_refused(model):

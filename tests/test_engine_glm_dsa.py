@@ -165,9 +165,10 @@ def test_equal_scores_keep_the_lower_position():
 
 
 def test_selection_over_many_position_blocks_matches_one_pass():
-    # rows whose positions span several of the threaded scoring's blocks (dsa.SCORE_BLOCK): the
+    # rows whose positions span several of the threaded scoring's blocks (kernels.SCORE_BLOCK): the
     # same scores as one pass of indexer_scores over all positions, and the same selection
-    from ds4tools.engine.dsa import SCORE_BLOCK, indexer_scores, select_positions
+    from ds4tools.engine.dsa import indexer_scores, select_positions
+    from ds4tools.engine.kernels import SCORE_BLOCK
     rng = np.random.default_rng(3)
     n = 3 * SCORE_BLOCK + 5
     keys = rng.standard_normal((n, 16)).astype(np.float32)

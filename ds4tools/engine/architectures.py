@@ -39,7 +39,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture(deepseek2.ARCH, deepseek2.read_hparams, deepseek2.load_weights,
                  deepseek2.Deepseek2Transformer, dspark_drafts=False, devices=("cpu", "cuda")),
     Architecture(glm_dsa.ARCH, glm_dsa.read_hparams, glm_dsa.load_weights,
-                 glm_dsa.GlmDsaTransformer, dspark_drafts=False),
+                 glm_dsa.GlmDsaTransformer, dspark_drafts=False, devices=("cpu", "cuda")),
     Architecture(deepseek4.ARCH, deepseek4.read_hparams, deepseek4.load_weights,
                  deepseek4.Deepseek4Transformer),
 )}

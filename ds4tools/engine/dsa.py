@@ -17,9 +17,10 @@ A "shared" layer (GLM-5.2's ``attention.indexer.types``) has no indexer and reus
 positions of the last full layer before it. Ties in the score keep the lower position (an
 exact tie happens when every head's dot product is <= 0: the score is then exactly 0).
 
-The indexer cache is part of ``DSACache`` (a LatentCache with one more array), so truncate,
-snapshot and restore move both together and speculative rollback restores the selection too.
-Every step is per row in a fixed order: a row's choice never depends on its batch.
+The indexer cache is part of ``DSACache`` (latent_cache.py: a LatentCache with one more array),
+so truncate, snapshot and restore move both together and speculative rollback restores the
+selection too. Every step is per row in a fixed order: a row's choice never depends on its
+batch. The steps are a backend's operations (backends/), the choice of the top_k on the host.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ from functools import cached_property
 import numpy as np
 from numba import njit, prange
 
-from ..formats._numeric import FP16_TO_FP32
 from . import kernels
-from .latent_cache import LatentCache, LatentSnapshot, _decode_f16, _store_f16, _store_f32
+from .backends.cpu import CPU
+from .latent_cache import DSACache, DSASnapshot  # noqa: F401  (the cache of this block)
 from .weights import Linear, _linear, _vector
 
 #: the indexer's tensors under ``blk.N.`` (llama.cpp's names)
@@ -97,128 +98,7 @@ def hadamard(n: int) -> np.ndarray:
     return np.where(parity == 1, -v, v).astype(np.float32)
 
 
-# --- the cache ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DSASnapshot(LatentSnapshot):
-    index_rows: np.ndarray | None = None
-
-
-class DSACache(LatentCache):
-    """The MLA latent cache plus the indexer's key cache: one row of ``index_dim`` values per
-    full-indexer layer and position (f32, or fp16 bits like the latent rows). One length for
-    both: truncate, snapshot and restore keep them in step."""
-
-    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, index_layers,
-                 index_dim: int, cache_type: str = "f32"):
-        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
-        self.index_layers = tuple(int(i) for i in index_layers)
-        if not self.index_layers or index_dim <= 0:
-            raise ValueError("a DSA cache needs indexer layers and a positive key length")
-        self.index_slot = {il: slot for slot, il in enumerate(self.index_layers)}
-        self.index_rows = np.zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
-
-    def snapshot(self) -> DSASnapshot:
-        n = self.length
-        return DSASnapshot(n, self.rows[:, :n].copy(), self.index_rows[:, :n].copy())
-
-    def restore(self, snap: DSASnapshot) -> None:
-        if (not isinstance(snap, DSASnapshot) or snap.index_rows.shape[0] != self.index_rows.shape[0]
-                or snap.index_rows.shape[2:] != self.index_rows.shape[2:]
-                or snap.index_rows.dtype != self.index_rows.dtype):
-            raise ValueError("snapshot does not fit this cache")
-        super().restore(snap)
-        self.index_rows[:, :snap.length] = snap.index_rows
-
-    def store_index(self, layer: int, keys: np.ndarray, positions: np.ndarray) -> None:
-        """Write float32 indexer keys (k, index_dim) of a full-indexer layer at ``positions``."""
-        rows = self.index_rows[self.index_slot[layer]]
-        if self.cache_type == "f32":
-            _store_f32(rows, keys, positions)
-        else:
-            _store_f16(rows, keys, positions)
-
-    def index_keys(self, layer: int, n: int) -> np.ndarray:
-        """The layer's indexer keys of positions [0, n) as float32."""
-        rows = self.index_rows[self.index_slot[layer]]
-        if self.cache_type == "f32":
-            return rows
-        decoded = np.empty((n, rows.shape[1]), np.float32)
-        _decode_f16(rows, FP16_TO_FP32, decoded)
-        return decoded
-
-
-# --- kernels ------------------------------------------------------------------------------------
-
-
-@njit(cache=True, error_model="numpy")
-def layer_norm(x, weight, bias, eps, out):
-    """out = (x - mean) / sqrt(var + eps) * weight + bias per row, as ggml_norm then the scale and
-    the bias: sums in float64, everything else float32."""
-    n = x.shape[1]
-    for t in range(x.shape[0]):
-        total = 0.0
-        for i in range(n):
-            total += np.float64(x[t, i])
-        mean = np.float32(total) / np.float32(n)
-        sq = 0.0
-        for i in range(n):
-            y = x[t, i] - mean
-            out[t, i] = y
-            sq += np.float64(y * y)
-        var = np.float32(sq / n)
-        scale = np.float32(1.0) / np.float32(np.sqrt(var + np.float32(eps)))
-        for i in range(n):
-            out[t, i] = out[t, i] * scale * weight[i] + bias[i]
-
-
-@njit(cache=True, fastmath=True, error_model="numpy")
-def rotate_rows(x, h, tmp):
-    """x (m, d) <- x @ h in place (h symmetric, d x d), one row at a time in a fixed order."""
-    d = x.shape[1]
-    for t in range(x.shape[0]):
-        for i in range(d):
-            s = np.float32(0.0)
-            for j in range(d):
-                s += h[i, j] * x[t, j]
-            tmp[i] = s
-        for i in range(d):
-            x[t, i] = tmp[i]
-
-
-@njit(cache=True, fastmath=True, error_model="numpy")
-def _row_scores(q, keys, w, n_visible, scores):
-    """scores[j] = sum_h relu(q[h] . keys[j]) * w[h] for j < n_visible (heads in order)."""
-    n_head, d = q.shape
-    for j in range(n_visible):
-        s = np.float32(0.0)
-        for h in range(n_head):
-            dot = np.float32(0.0)
-            for i in range(d):
-                dot += q[h, i] * keys[j, i]
-            if dot > 0:
-                s += dot * w[h]
-        scores[j] = s
-
-
-#: positions per scoring task: a decode step's one row is scored by every thread
-SCORE_BLOCK = 64
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _all_scores(q, keys, w, limits, top_k, scores):
-    # scores[t, :limits[t]] for the rows that select (limits[t] > top_k), in tasks of
-    # (row, SCORE_BLOCK positions); a position's score is _row_scores' whatever the split
-    per = (scores.shape[1] + SCORE_BLOCK - 1) // SCORE_BLOCK
-    for task in prange(q.shape[0] * per):
-        t = task // per
-        j0 = (task - t * per) * SCORE_BLOCK
-        n = limits[t]
-        if n <= top_k or j0 >= n:
-            continue
-        j1 = min(n, j0 + SCORE_BLOCK)
-        _row_scores(q[t], keys[j0:j1], w[t], j1 - j0, scores[t, j0:j1])
+# --- the choice of positions ---------------------------------------------------------------------
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -250,19 +130,18 @@ def _select_top(scores, limits, top_k, selected, counts):
 
 
 def select_positions(q, keys, w, limits, top_k, selected, counts):
-    """Per row t: the top_k positions in [0, limits[t]) by indexer score, ascending, into
-    selected[t, :counts[t]] (every position when limits[t] <= top_k). Equal scores keep the
-    lower position. The scores are made across threads by blocks of positions, then each row
-    selects."""
+    """indexer_select's choice on numpy arrays (the CPU's scores, then _select_top): per row t,
+    the top_k positions in [0, limits[t]) by indexer score, ascending, into
+    selected[t, :counts[t]]."""
     scores = np.empty((q.shape[0], int(limits.max())), np.float32)
-    _all_scores(q, keys, w, limits, top_k, scores)
+    kernels.dsa_scores(q, keys, w, limits, top_k, scores)
     _select_top(scores, limits, top_k, selected, counts)
 
 
 def indexer_scores(q, keys, w, limit):
     """The scores of one query row (n_head, d) over keys [0, limit): for tests."""
     scores = np.empty(limit, np.float32)
-    _row_scores(np.ascontiguousarray(q), keys, np.ascontiguousarray(w), limit, scores)
+    kernels._row_scores(np.ascontiguousarray(q), keys, np.ascontiguousarray(w), limit, scores)
     return scores
 
 
@@ -270,43 +149,51 @@ def indexer_scores(q, keys, w, limit):
 
 
 class IndexerWorkspace:
-    """The indexer's buffers for up to ``rows`` rows."""
+    """The indexer's buffers for up to ``rows`` rows on the device of backend ``ops`` (the
+    selection's on the host too: the top-k is chosen there, as the router's experts)."""
 
-    def __init__(self, s: IndexerShape, rows: int):
-        f = np.float32
-        self.q = np.empty((rows, s.n_head, s.head_dim), f)
-        self.k = np.empty((rows, s.head_dim), f)
-        self.k_raw = np.empty((rows, s.head_dim), f)
-        self.w = np.empty((rows, s.n_head), f)
-        self.tmp = np.empty(s.head_dim, f)
+    def __init__(self, s: IndexerShape, rows: int, ops=CPU):
+        self.ops = ops
+        self.q = ops.empty((rows, s.n_head, s.head_dim))
+        self.k = ops.empty((rows, s.head_dim))
+        self.k_raw = ops.empty((rows, s.head_dim))
+        self.w = ops.empty((rows, s.n_head))
         self.selected = np.zeros((rows, s.top_k), np.int64)
         self.counts = np.zeros(rows, np.int64)
-        self.hadamard = hadamard(s.head_dim)
+        self.hadamard = ops.asarray(hadamard(s.head_dim))
 
 
-def indexer_select(hs, qa: np.ndarray, w: IndexerWeights, s: IndexerShape, cache: DSACache,
-                   layer: int, positions: np.ndarray, limits: np.ndarray, rope: tuple,
-                   ws: IndexerWorkspace):
+def indexer_select(hs, qa, w: IndexerWeights, s: IndexerShape, cache: DSACache, layer: int,
+                   positions, limits, rope: tuple, ws: IndexerWorkspace):
     """A full layer's indexer: stores the rows' indexer keys at ``positions`` and returns
-    (selected, counts) for LatentCache.attend. ``hs``: the layer's normed input (a
-    SharedInput); ``qa``: its normed low-rank query (k, n_lora_q)."""
+    (selected, counts) for LatentCache.attend, on the device of ``ws.ops``. ``hs``: the layer's
+    normed input (a SharedInput); ``qa``: its normed low-rank query (k, n_lora_q).
+
+    Per row t: the top_k positions in [0, limits[t]) by indexer score, ascending (every
+    position when limits[t] <= top_k); equal scores keep the lower position. The scores are
+    made on the device (across threads by blocks of positions on the CPU); the choice is made
+    on the host by one function whatever the device, as the router's (moe.py)."""
+    ops = ws.ops
     k = qa.shape[0]
     cos, sin = rope
     q = ws.q[:k]
     w.wq_b.matmul(qa, q.reshape(k, s.n_head * s.head_dim))
-    kernels.rope(q, positions, cos, sin, False)
+    ops.rope(q, positions, cos, sin, False)
     raw = ws.k_raw[:k]
     w.wk.matmul(hs, raw)
     key = ws.k[:k]
-    layer_norm(raw, w.k_norm, w.k_norm_b, 0.0, key)
-    kernels.rope(key[:, None, :], positions, cos, sin, False)
-    rotate_rows(q.reshape(k * s.n_head, s.head_dim), ws.hadamard, ws.tmp)
-    rotate_rows(key, ws.hadamard, ws.tmp)
+    ops.layer_norm(raw, w.k_norm, w.k_norm_b, 0.0, key)
+    ops.rope(key.reshape(k, 1, s.head_dim), positions, cos, sin, False)
+    ops.rotate_rows(q.reshape(k * s.n_head, s.head_dim), ws.hadamard)
+    ops.rotate_rows(key, ws.hadamard)
     cache.store_index(layer, key, positions)
     wts = ws.w[:k]
     w.proj.matmul(hs, wts)
-    np.multiply(wts, s.weight_scale, out=wts)
-    keys = cache.index_keys(layer, int(limits.max()))
+    ops.scale(wts, s.weight_scale)
+    host_limits = ops.to_host(limits)
+    n = int(host_limits.max())
+    scores = ops.empty((k, n))
+    ops.dsa_scores(q, cache.index_keys(layer, n), wts, limits, s.top_k, scores)
     selected, counts = ws.selected[:k], ws.counts[:k]
-    select_positions(q, keys, wts, limits, s.top_k, selected, counts)
-    return selected, counts
+    _select_top(ops.to_host(scores), host_limits, s.top_k, selected, counts)
+    return ops.asarray(selected), ops.asarray(counts)

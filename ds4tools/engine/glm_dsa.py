@@ -264,15 +264,16 @@ class Selection:
         self.value = None
 
 
-def layer_forward(x: np.ndarray, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cache: LatentCache,
-                  layer: int, positions: np.ndarray, limits: np.ndarray, rope: tuple, ws,
-                  mla_ws: MLAWorkspace, moe_ws: MoEWorkspace, idx_ws: IndexerWorkspace | None,
+def layer_forward(x, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cache: LatentCache, layer: int,
+                  positions, limits, rope: tuple, ws: Workspace, mla_ws: MLAWorkspace,
+                  moe_ws: MoEWorkspace, idx_ws: IndexerWorkspace | None,
                   selection: Selection | None) -> None:
     """One decoder layer on x (k, n_embd), in place (see transformer.layer_forward for
     ``positions`` and ``limits``). ``selection`` carries a full layer's choice to the shared
     layers after it within one pass over the layers; None for a layer that runs alone (a NextN
     layer): with an indexer it selects for itself, without one it attends densely over a
-    LatentCache. ``cache`` is a DSACache wherever an indexer runs."""
+    LatentCache. ``cache`` is a DSACache wherever an indexer runs. Arrays are on the device of
+    ``ws.ops``."""
 
     def select(hs, qa):
         if lw.indexer is not None:
@@ -289,15 +290,16 @@ def layer_forward(x: np.ndarray, lw: GlmDsaLayerWeights, hp: GlmDsaHParams, cach
     dense = lw.indexer is None and selection is None
     mla_attention_block(x, lw.attn, hp.mla, hp.rms_eps, hp.kq_scale, cache, layer, positions,
                         limits, rope, mla_ws, None if dense else select)
+    ops = ws.ops
     k = x.shape[0]
     h = ws.norm[:k]
     o = ws.proj[:k]
-    kernels.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
+    ops.rmsnorm(x, lw.ffn_norm, hp.rms_eps, h)
     if lw.moe is not None:
         moe_forward(h, lw.moe, hp.moe, moe_ws, o)
     else:
-        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o)
-    kernels.add_into(x, o)
+        feed_forward(h, lw.dense, ws.gate[:k], ws.up[:k], o, ops)
+    ops.add_into(x, o)
 
 
 class GlmDsaNextN:
@@ -312,16 +314,19 @@ class GlmDsaNextN:
         self.model = model
         self.layer = layer
         self.cache = model.new_cache(n_layer=1, index_layers=(0,) if layer.indexer is not None else ())
-        self.ws = Workspace(hp, model.chunk)
-        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
-        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
-        self.idx_ws = IndexerWorkspace(hp.indexer, self.ws.rows) if layer.indexer is not None else None
+        ops = model.ops
+        self.ws = Workspace(hp, model.chunk, ops)
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows, ops)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows, ops)
+        self.idx_ws = (IndexerWorkspace(hp.indexer, self.ws.rows, ops) if layer.indexer is not None
+                       else None)
 
-    def forward(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray) -> None:
+    def forward(self, x, positions: np.ndarray, limits: np.ndarray) -> None:
         """x (k <= chunk rows, n_embd) through the layer, in place; writes the latent rows (and
         the indexer keys) at ``positions`` (checked by the caller: MtpHead runs positions 0.. in
         order)."""
         m = self.model
+        positions, limits = m.ops.asarray(positions), m.ops.asarray(limits)
         layer_forward(x, self.layer, m.hp, self.cache, 0, positions, limits, m.rope, self.ws,
                       self.mla_ws, self.moe_ws, self.idx_ws, None)
 
@@ -334,15 +339,17 @@ class GlmDsaTransformer(Transformer):
     dense_mtp_heads = False  # its NextN layer is this module's (MLA, the indexer, experts)
 
     def __init__(self, hp: GlmDsaHParams, weights: ModelWeights, *, n_ctx: int,
-                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK):
-        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk)
-        self.rope = kernels.rope_tables(
+                 cache_type: str = "f32", chunk: int = DEFAULT_CHUNK, device: str = "cpu"):
+        super().__init__(hp, weights, n_ctx=n_ctx, cache_type=cache_type, chunk=chunk,
+                         device=device)
+        cos, sin = kernels.rope_tables(
             n_ctx, hp.n_rot, hp.rope_freq_base, freq_scale=hp.rope_freq_scale,
             yarn=(hp.rope_n_ctx_orig, hp.yarn_beta_fast, hp.yarn_beta_slow, hp.yarn_ext_factor,
                   hp.yarn_attn_factor))
-        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows)
-        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows)
-        self.idx_ws = IndexerWorkspace(hp.indexer, self.ws.rows)
+        self.rope = (self.ops.asarray(cos), self.ops.asarray(sin))
+        self.mla_ws = MLAWorkspace(hp.mla, hp.n_embd, self.ws.rows, self.ops)
+        self.moe_ws = MoEWorkspace(hp.moe, hp.n_embd, self.ws.rows, self.ops)
+        self.idx_ws = IndexerWorkspace(hp.indexer, self.ws.rows, self.ops)
 
     def new_cache(self, n_ctx: int | None = None, n_layer: int | None = None,
                   index_layers: tuple | None = None) -> LatentCache:
@@ -355,12 +362,10 @@ class GlmDsaTransformer(Transformer):
             raise ValueError(f"a cache of {n_ctx} positions exceeds the model's context of {self.n_ctx}")
         if n_layer is None:
             n_layer, index_layers = hp.n_layer, hp.indexer_layers
-        if not index_layers:
-            return LatentCache(n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, self.cache_type)
-        return DSACache(n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot, index_layers,
-                        hp.indexer.head_dim, self.cache_type)
+        return self.ops.latent_cache(n_layer, n_ctx, hp.mla.n_lora_kv, hp.mla.n_rot,
+                                     self.cache_type, index_layers or (), hp.indexer.head_dim)
 
-    def run_layers(self, x: np.ndarray, positions: np.ndarray, limits: np.ndarray,
+    def run_layers(self, x, positions: np.ndarray, limits: np.ndarray,
                    cache: DSACache, hidden: dict | None = None, layers=None) -> None:
         # The kernels do not check bounds: everything they index is checked here, once.
         hp = self.hp
@@ -369,7 +374,7 @@ class GlmDsaTransformer(Transformer):
         k = x.shape[0]
         if k > self.ws.rows:
             raise ValueError(f"{k} rows exceed the workspace of {self.ws.rows}")
-        if x.shape != (k, hp.n_embd) or x.dtype != np.float32 or not x.flags.c_contiguous:
+        if x.shape != (k, hp.n_embd) or x.dtype != np.float32 or not self.ops.is_c_contiguous(x):
             raise ValueError(f"x must be C-contiguous float32 of shape (k, {hp.n_embd})")
         if positions.shape != (k,) or limits.shape != (k,):
             raise ValueError("positions and limits need one entry per row")
@@ -380,14 +385,17 @@ class GlmDsaTransformer(Transformer):
         if k and (positions.min() < 0 or positions.max() >= min(cache.n_ctx, self.rope[0].shape[0])
                   or limits.min() < 1 or limits.max() > cache.n_ctx):
             raise ValueError(f"positions must lie in [0, {cache.n_ctx}) and limits in [1, {cache.n_ctx}]")
-        selection = Selection()
-        for il in (range(hp.n_layer) if layers is None else layers):
+        layers = range(hp.n_layer) if layers is None else tuple(layers)
+        for il in layers:
             if not 0 <= il < cache.n_layer:
                 raise ValueError(f"layer {il} has no slot in a cache of {cache.n_layer} layers")
+        positions, limits = self.ops.asarray(positions), self.ops.asarray(limits)
+        selection = Selection()
+        for il in layers:
             layer_forward(x, self.weights.layers[il], hp, cache, il, positions, limits, self.rope,
                           self.ws, self.mla_ws, self.moe_ws, self.idx_ws, selection)
             if hidden is not None and il in hidden:
-                hidden[il].append(x.copy())
+                hidden[il].append(self.ops.host_copy(x))
 
     # --- the NextN (MTP) layer, for the MTP drafter ------------------------------------------
 

@@ -927,3 +927,76 @@ def attention_f16(q, cache_k, cache_v, limits, scale, out, lut):
     _decode_f16_rows(cache_k, n_rows, lut, keys)
     _decode_f16_rows(cache_v, n_rows, lut, values)
     attention_f32(q, keys, values, limits, scale, out)
+
+
+# --- layer norm, row rotation and the DSA indexer's scores ---------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def layer_norm(x, weight, bias, eps, out):
+    """out = (x - mean) / sqrt(var + eps) * weight + bias per row, as ggml_norm then the scale and
+    the bias: sums in float64, everything else float32."""
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        total = 0.0
+        for i in range(n):
+            total += np.float64(x[t, i])
+        mean = np.float32(total) / np.float32(n)
+        sq = 0.0
+        for i in range(n):
+            y = x[t, i] - mean
+            out[t, i] = y
+            sq += np.float64(y * y)
+        var = np.float32(sq / n)
+        scale = np.float32(1.0) / np.float32(np.sqrt(var + np.float32(eps)))
+        for i in range(n):
+            out[t, i] = out[t, i] * scale * weight[i] + bias[i]
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def rotate_rows(x, h, tmp):
+    """x (m, d) <- x @ h in place (h symmetric, d x d), one row at a time in a fixed order."""
+    d = x.shape[1]
+    for t in range(x.shape[0]):
+        for i in range(d):
+            s = np.float32(0.0)
+            for j in range(d):
+                s += h[i, j] * x[t, j]
+            tmp[i] = s
+        for i in range(d):
+            x[t, i] = tmp[i]
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _row_scores(q, keys, w, n_visible, scores):
+    """scores[j] = sum_h relu(q[h] . keys[j]) * w[h] for j < n_visible (heads in order)."""
+    n_head, d = q.shape
+    for j in range(n_visible):
+        s = np.float32(0.0)
+        for h in range(n_head):
+            dot = np.float32(0.0)
+            for i in range(d):
+                dot += q[h, i] * keys[j, i]
+            if dot > 0:
+                s += dot * w[h]
+        scores[j] = s
+
+
+#: positions per scoring task: a decode step's one row is scored by every thread
+SCORE_BLOCK = 64
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def dsa_scores(q, keys, w, limits, top_k, scores):
+    """The DSA indexer's scores (dsa.py): scores[t, :limits[t]] for the rows that select
+    (limits[t] > top_k), in tasks of (row, SCORE_BLOCK positions); a position's score is
+    _row_scores' whatever the split."""
+    per = (scores.shape[1] + SCORE_BLOCK - 1) // SCORE_BLOCK
+    for task in prange(q.shape[0] * per):
+        t = task // per
+        j0 = (task - t * per) * SCORE_BLOCK
+        n = limits[t]
+        if n <= top_k or j0 >= n:
+            continue
+        j1 = min(n, j0 + SCORE_BLOCK)
+        _row_scores(q[t], keys[j0:j1], w[t], j1 - j0, scores[t, j0:j1])

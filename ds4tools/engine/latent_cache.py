@@ -4,7 +4,8 @@ and position, never expanded keys and values, and the attention that reads it.
 Attention over the latent is MQA: every head reads the same rows (keys: the whole row; values:
 its first kv_lora_rank entries), so one job takes 8 heads of a token and reads each row once for
 all of them (on the 1B deepseek2 of benchmarks/bench_moe.py, 16 heads over 512 positions: 210 ->
-136 us a layer). The CUDA backend's cache (backends/cuda) keeps the same rows on the device.
+136 us a layer). DSACache adds the DSA indexer's keys (glm-dsa, dsa.py) under the same length.
+The CUDA backend's caches (backends/cuda) keep the same rows on the device.
 """
 from __future__ import annotations
 
@@ -195,3 +196,55 @@ def latent_attention_selected(q, rows, selected, counts, scale, out):
         acc = np.empty((h1 - h0, n_lora), np.float32)
         _attend_latent(q[t, h0:h1], rows, selected[t], n_visible, scale, scores, m, acc,
                        out[t, h0:h1])
+
+
+# --- DSA (glm-dsa): the latent cache plus the indexer's keys ------------------------------------
+
+
+@dataclass(frozen=True)
+class DSASnapshot(LatentSnapshot):
+    index_rows: np.ndarray | None = None
+
+
+class DSACache(LatentCache):
+    """The MLA latent cache plus the indexer's key cache: one row of ``index_dim`` values per
+    full-indexer layer and position (f32, or fp16 bits like the latent rows). One length for
+    both: truncate, snapshot and restore keep them in step."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, index_layers,
+                 index_dim: int, cache_type: str = "f32"):
+        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
+        self.index_layers = tuple(int(i) for i in index_layers)
+        if not self.index_layers or index_dim <= 0:
+            raise ValueError("a DSA cache needs indexer layers and a positive key length")
+        self.index_slot = {il: slot for slot, il in enumerate(self.index_layers)}
+        self.index_rows = np.zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
+
+    def snapshot(self) -> DSASnapshot:
+        n = self.length
+        return DSASnapshot(n, self.rows[:, :n].copy(), self.index_rows[:, :n].copy())
+
+    def restore(self, snap: DSASnapshot) -> None:
+        if (not isinstance(snap, DSASnapshot) or snap.index_rows.shape[0] != self.index_rows.shape[0]
+                or snap.index_rows.shape[2:] != self.index_rows.shape[2:]
+                or snap.index_rows.dtype != self.index_rows.dtype):
+            raise ValueError("snapshot does not fit this cache")
+        super().restore(snap)
+        self.index_rows[:, :snap.length] = snap.index_rows
+
+    def store_index(self, layer: int, keys: np.ndarray, positions: np.ndarray) -> None:
+        """Write float32 indexer keys (k, index_dim) of a full-indexer layer at ``positions``."""
+        rows = self.index_rows[self.index_slot[layer]]
+        if self.cache_type == "f32":
+            _store_f32(rows, keys, positions)
+        else:
+            _store_f16(rows, keys, positions)
+
+    def index_keys(self, layer: int, n: int) -> np.ndarray:
+        """The layer's indexer keys of positions [0, n) as float32."""
+        rows = self.index_rows[self.index_slot[layer]]
+        if self.cache_type == "f32":
+            return rows
+        decoded = np.empty((n, rows.shape[1]), np.float32)
+        _decode_f16(rows, FP16_TO_FP32, decoded)
+        return decoded

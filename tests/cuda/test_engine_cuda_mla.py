@@ -1,17 +1,19 @@
-"""deepseek2 (multi-head latent attention over a latent cache) on the CUDA backend (simulated).
+"""deepseek2 (multi-head latent attention over a latent cache) and glm-dsa (the same attention
+over the positions the DSA indexer selects) on the CUDA backend (simulated).
 
 The same checks as test_engine_cuda.py's for llama / qwen3 / glm4moe: logits equal the CPU's
-exact path to float32 rounding (the low-rank q path with sigmoid-routed, grouped experts, and
-the V2-Lite layout with YaRN over an fp16 latent cache); a token's logits keep their bits
-however it was batched; truncate and snapshot / restore give back the same bits; the NextN
-layer drafts on the device without changing greedy output.
+exact path to float32 rounding (deepseek2: the low-rank q path with sigmoid-routed, grouped
+experts, and the V2-Lite layout with YaRN over an fp16 latent cache; glm-dsa: rows that select
+top_k positions, a shared indexer layer, f32 and fp16 caches); a token's logits keep their bits
+however it was batched; truncate and snapshot / restore give back the same bits; the NextN layer
+drafts on the device without changing greedy output.
 """
 import numpy as np
 import pytest
 from numba import config
 
-from ds4tools.engine import deepseek2
-from ds4tools.engine.backends.cuda.backend import DeviceLatentCache
+from ds4tools.engine import deepseek2, glm_dsa
+from ds4tools.engine.backends.cuda.backend import DeviceDSACache, DeviceLatentCache
 from ds4tools.engine.generate import decode
 from ds4tools.engine.sampling import Sampler
 from ds4tools.engine.speculative import speculative_decode
@@ -19,6 +21,8 @@ from ds4tools.engine.speculative.load import mtp_from_nextn
 from ds4tools.engine.speculative.mtp import MtpDrafter
 from ds4tools.gguf_io.reader import open_gguf
 from tests.deepseek2_model import Deepseek2Config, write_model
+from tests.glm_dsa_model import GlmDsaConfig
+from tests.glm_dsa_model import write_model as write_dsa_model
 
 assert config.ENABLE_CUDASIM == 1
 
@@ -94,4 +98,53 @@ def test_nextn_drafts_on_the_device_are_lossless(model_dir):
     spec = list(speculative_decode(gpu, drafter, prompt, 3, Sampler(0.0), np.random.default_rng(0),
                                    calibrate=False))
     assert isinstance(drafter.mtp.cache, DeviceLatentCache)
+    assert spec == plain and len(plain) == 3
+
+
+# --- glm-dsa: latent attention over the positions the DSA indexer selects -----------------------
+
+# top_k 3 below a 6-token sequence: rows past the third select; layer 1 shares layer 0's choice;
+# a NextN layer with its own indexer
+DSA = GlmDsaConfig(n_vocab=24, n_embd=32, n_layer=3, n_nextn=1, n_head=2, n_lora_q=32,
+                   n_lora_kv=32, n_nope=32, n_rot=16, n_v=32, n_ff=32, n_ff_exp=32, n_expert=4,
+                   n_expert_used=2, idx_head=2, idx_dim=32, idx_top_k=3,
+                   idx_types=(True, False, True), yarn=True, yarn_orig_ctx=16, n_ctx=64)
+DSA_MODELS = {"dsa-Q8_0": ("Q8_0", "f32"), "dsa-F32-f16cache": ("F32", "f16")}
+
+
+def _glm_dsa(model_dir, name, device):
+    fmt, cache_type = DSA_MODELS[name]
+    path = model_dir / f"{name}.gguf"
+    if not path.exists():
+        write_dsa_model(path, DSA, fmt, seed=12)
+    f = open_gguf(str(path))
+    hp = glm_dsa.read_hparams(f.metadata, n_vocab_tensor=DSA.n_vocab)
+    weights = glm_dsa.load_weights(f.tensors, hp, int8="none")
+    return glm_dsa.GlmDsaTransformer(hp, weights, n_ctx=32, cache_type=cache_type, chunk=8,
+                                      device=device), f
+
+
+@pytest.mark.parametrize("name", list(DSA_MODELS))
+def test_glm_dsa_logits_equal_the_cpu_and_batches_keep_their_bits(model_dir, name):
+    cpu, _ = _glm_dsa(model_dir, name, "cpu")
+    gpu, _ = _glm_dsa(model_dir, name, "cuda")
+    assert isinstance(gpu.cache, DeviceDSACache)
+    tokens = PROMPT + [11, 2]
+    want = cpu.forward(tokens, 0).logits
+    got = gpu.forward(tokens, 0).logits
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # the rows past top_k select: decoded one at a time after a rollback, the same bits
+    gpu.cache.truncate(3)
+    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(tokens[3:], 3)])
+    np.testing.assert_array_equal(got[3:].view(np.uint32), single.view(np.uint32))
+
+
+def test_glm_dsa_nextn_drafts_on_the_device_are_lossless(model_dir):
+    gpu, f = _glm_dsa(model_dir, "dsa-Q8_0", "cuda")
+    drafter = MtpDrafter(gpu, mtp_from_nextn(f, gpu.hp, "none", gpu), max_draft=2)
+    assert isinstance(drafter.mtp.cache, DeviceDSACache)  # the NextN layer has its own indexer
+    prompt = [3, 4, 5, 6]
+    plain = list(decode(gpu, prompt, 3, Sampler(0.0), np.random.default_rng(0)))
+    spec = list(speculative_decode(gpu, drafter, prompt, 3, Sampler(0.0), np.random.default_rng(0),
+                                   calibrate=False))
     assert spec == plain and len(plain) == 3

@@ -8,9 +8,10 @@ implements on arrays of its own device:
                 is_c_contiguous(array)
     weights     place_weights(weights): matrices stay in their GGUF block formats; a placed
                 matrix has ``matmul(x, out)`` (fused dequantize-matmul) and ``rows(ids)``
-    row ops     rmsnorm, add_bias, add_into, swiglu, rope
-    attention   kv_cache(...), latent_cache(...) (MLA's): caches on the device with ``store``
-                and ``attend``
+    row ops     rmsnorm, layer_norm, add_bias, add_into, scale, swiglu, rope, rotate_rows,
+                weighted_sum, dsa_scores (the DSA indexer's)
+    attention   kv_cache(...), latent_cache(...) (MLA's; with the DSA indexer's keys): caches
+                on the device with ``store`` and ``attend``
 
 Every operation computes each row with the same code in the same order whatever the number of
 rows, on every backend: a token's logits do not depend on its batch, so speculative greedy

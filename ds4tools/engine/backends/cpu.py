@@ -5,7 +5,7 @@ import numpy as np
 
 from .. import kernels
 from ..kv_cache import KVCache
-from ..latent_cache import LatentCache
+from ..latent_cache import DSACache, LatentCache
 
 
 class CpuBackend:
@@ -59,6 +59,18 @@ class CpuBackend:
     swiglu = staticmethod(kernels.swiglu)
     rope = staticmethod(kernels.rope)
     weighted_sum = staticmethod(kernels.weighted_sum)
+    layer_norm = staticmethod(kernels.layer_norm)
+    dsa_scores = staticmethod(kernels.dsa_scores)
+
+    @staticmethod
+    def rotate_rows(x: np.ndarray, h: np.ndarray) -> None:
+        """x (m, d) <- x @ h in place, h symmetric (d x d)."""
+        kernels.rotate_rows(x, h, np.empty(x.shape[1], np.float32))
+
+    @staticmethod
+    def scale(x: np.ndarray, factor) -> None:
+        """x *= factor (a float32), in place."""
+        np.multiply(x, factor, out=x)
 
     # --- attention ------------------------------------------------------------------------------
 
@@ -69,7 +81,10 @@ class CpuBackend:
 
     @staticmethod
     def latent_cache(n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
-                     cache_type: str = "f32") -> LatentCache:
+                     cache_type: str = "f32", index_layers=(), index_dim: int = 0) -> LatentCache:
+        """MLA's latent cache; with ``index_layers`` a DSACache (the DSA indexer's keys too)."""
+        if index_layers:
+            return DSACache(n_layer, n_ctx, n_lora_kv, n_rot, index_layers, index_dim, cache_type)
         return LatentCache(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
 
 

@@ -14,7 +14,7 @@ from numba import cuda
 
 from ....formats._numeric import FP16_TO_FP32
 from ...kv_cache import CACHE_TYPES, KVCache, KVSnapshot
-from ...latent_cache import LatentCache, LatentSnapshot
+from ...latent_cache import DSACache, DSASnapshot, LatentCache, LatentSnapshot
 from ...moe import ExpertMatrices
 from ...weights import Linear, SharedInput
 from .. import BackendUnavailable
@@ -177,13 +177,58 @@ class DeviceLatentCache(LatentCache):
         ops.store_rows(self.rows[layer], latent, positions)
 
     def attend(self, layer: int, q, limits, scale: float, out, selected=None) -> None:
-        if selected is not None:
-            raise NotImplementedError("attention over selected positions (a sparse attention's "
-                                      "choice) does not run on the CUDA backend yet")
+        """As LatentCache.attend; ``selected``: None, or (positions, counts) on the device."""
         rows = self.rows[layer]
         keys = rows.reshape(1, *rows.shape)
         lut = None if self.cache_type == "f32" else CUDA.fp16_table()
-        ops.attention(q, keys, keys[:, :, :self.n_lora_kv], limits, np.float32(scale), out, lut)
+        if selected is None:
+            ops.attention(q, keys, keys[:, :, :self.n_lora_kv], limits, np.float32(scale), out,
+                          lut)
+        else:
+            positions, counts = selected
+            ops.attention(q, keys, keys[:, :, :self.n_lora_kv], counts, np.float32(scale), out,
+                          lut, positions)
+
+
+class DeviceDSACache(DSACache):
+    """DSACache's interface (the latent rows plus the DSA indexer's keys, one length) over
+    device arrays: DeviceLatentCache's rows and attention, and the keys beside them."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, index_layers,
+                 index_dim: int, cache_type: str = "f32"):
+        DeviceLatentCache.__init__(self, n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
+        self.index_layers = tuple(int(i) for i in index_layers)
+        if not self.index_layers or index_dim <= 0:
+            raise ValueError("a DSA cache needs indexer layers and a positive key length")
+        self.index_slot = {il: slot for slot, il in enumerate(self.index_layers)}
+        self.index_rows = _zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
+
+    store = DeviceLatentCache.store
+    attend = DeviceLatentCache.attend
+
+    def snapshot(self) -> DSASnapshot:
+        return DSASnapshot(self.length, _device_copy(self.rows), _device_copy(self.index_rows))
+
+    def restore(self, snap: DSASnapshot) -> None:
+        if (not isinstance(snap, DSASnapshot) or snap.rows.shape != self.rows.shape
+                or snap.index_rows.shape != self.index_rows.shape
+                or snap.rows.dtype != self.rows.dtype):
+            raise ValueError("snapshot does not fit this cache")
+        self.rows.copy_to_device(snap.rows)
+        self.index_rows.copy_to_device(snap.index_rows)
+        self.length = snap.length
+
+    def store_index(self, layer: int, keys, positions) -> None:
+        ops.store_rows(self.index_rows[self.index_slot[layer]], keys, positions)
+
+    def index_keys(self, layer: int, n: int):
+        """The layer's indexer keys of positions [0, n) as float32, on the device."""
+        rows = self.index_rows[self.index_slot[layer]]
+        if self.cache_type == "f32":
+            return rows
+        out = cuda.device_array((n, rows.shape[1]), np.float32)
+        ops.decode_f16(rows, CUDA.fp16_table(), out)
+        return out
 
 
 class CudaBackend:
@@ -272,6 +317,10 @@ class CudaBackend:
     swiglu = staticmethod(ops.swiglu)
     rope = staticmethod(ops.rope)
     weighted_sum = staticmethod(ops.weighted_sum)
+    layer_norm = staticmethod(ops.layer_norm)
+    rotate_rows = staticmethod(ops.rotate_rows)
+    scale = staticmethod(ops.scale)
+    dsa_scores = staticmethod(ops.dsa_scores)
 
     # --- attention --------------------------------------------------------------------------------
 
@@ -282,7 +331,11 @@ class CudaBackend:
 
     @staticmethod
     def latent_cache(n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
-                     cache_type: str = "f32") -> DeviceLatentCache:
+                     cache_type: str = "f32", index_layers=(), index_dim: int = 0):
+        """A DeviceLatentCache; with ``index_layers`` a DeviceDSACache."""
+        if index_layers:
+            return DeviceDSACache(n_layer, n_ctx, n_lora_kv, n_rot, index_layers, index_dim,
+                                  cache_type)
         return DeviceLatentCache(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
 
 

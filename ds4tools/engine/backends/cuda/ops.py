@@ -357,6 +357,127 @@ def copy_strided(dst, src):
 
 
 @cuda.jit
+def _layer_norm_kernel(x, weight, bias, eps, out):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n = x.shape[1]
+    scratch = cuda.shared.array(ROW_THREADS, np.float64)
+    total = np.float64(0.0)
+    for i in range(tid, n, ROW_THREADS):
+        total += np.float64(x[row, i])
+    mean = np.float32(_block_sum(scratch, tid, total)) / np.float32(n)
+    sq = np.float64(0.0)
+    for i in range(tid, n, ROW_THREADS):
+        y = x[row, i] - mean
+        sq += np.float64(y * y)
+    var = np.float32(_block_sum(scratch, tid, sq) / n)
+    scale = _ONE / np.float32(math.sqrt(var + eps))
+    for i in range(tid, n, ROW_THREADS):  # each thread rewrites only what it read: out may be x
+        out[row, i] = (x[row, i] - mean) * scale * weight[i] + bias[i]
+
+
+def layer_norm(x, weight, bias, eps, out):
+    """out[t] = (x[t] - mean) / sqrt(var + eps) * weight + bias (kernels.layer_norm: sums in
+    float64, the rest float32); x, out (k, n). One block per row, as rmsnorm."""
+    if x.shape[0] == 0:
+        return
+    _layer_norm_kernel[x.shape[0], ROW_THREADS](x, weight, bias, np.float32(eps), out)
+
+
+@cuda.jit
+def _rotate_rows_kernel(x, h):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    d = x.shape[1]
+    saved = cuda.shared.array(MAX_ROTATE, np.float32)
+    for i in range(tid, d, ROW_THREADS):
+        saved[i] = x[row, i]
+    cuda.syncthreads()
+    for i in range(tid, d, ROW_THREADS):
+        s = _ZERO
+        for j in range(d):  # in index order, as the CPU
+            s += h[i, j] * saved[j]
+        x[row, i] = s
+
+
+MAX_ROTATE = 1024  # the widest row rotate_rows takes (the DSA indexer's heads are 128 wide)
+
+
+def rotate_rows(x, h):
+    """x (m, d) <- x @ h in place, h (d, d) symmetric (the DSA indexer's Hadamard rotation):
+    one block per row, the row kept in shared memory while its outputs are written."""
+    if x.shape[1] > MAX_ROTATE:
+        raise ValueError(f"rotate_rows: rows of {x.shape[1]} > {MAX_ROTATE}")
+    if x.shape[0] == 0:
+        return
+    _rotate_rows_kernel[x.shape[0], ROW_THREADS](x, h)
+
+
+@cuda.jit
+def _scale_kernel(x, factor):
+    idx = cuda.grid(1)
+    n = x.shape[1]
+    if idx < x.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        x[t, i] = x[t, i] * factor
+
+
+def scale(x, factor):
+    """x *= factor (float32), x (k, n): exact (one rounding, as numpy's)."""
+    if x.size == 0:
+        return
+    blocks, threads = _element_grid(x.size)
+    _scale_kernel[blocks, threads](x, np.float32(factor))
+
+
+@cuda.jit
+def _dsa_scores_kernel(q, keys, w, limits, top_k, scores):
+    t, j = cuda.grid(2)
+    if t < q.shape[0] and j < scores.shape[1]:
+        n = limits[t]
+        if n > top_k and j < n:
+            s = _ZERO
+            for h in range(q.shape[1]):  # heads, then dimensions, in order (as the CPU)
+                dot = _ZERO
+                for i in range(q.shape[2]):
+                    dot += q[t, h, i] * keys[j, i]
+                if dot > 0:
+                    s += dot * w[t, h]
+            scores[t, j] = s
+
+
+def dsa_scores(q, keys, w, limits, top_k, scores):
+    """The DSA indexer's scores (kernels.dsa_scores): scores[t, j] = sum_h relu(q[t, h] .
+    keys[j]) * w[t, h] for j < limits[t], for the rows that select (limits[t] > top_k); one
+    thread per (row, position). q (k, n_head, d), keys (>= max limit, d), w (k, n_head)."""
+    k, n = scores.shape
+    if k * n == 0:
+        return
+    threads = (1, ELEMENT_THREADS)
+    _dsa_scores_kernel[(k, (n + ELEMENT_THREADS - 1) // ELEMENT_THREADS), threads](
+        q, keys, w, limits, np.int64(top_k), scores)
+
+
+@cuda.jit
+def _decode_f16_kernel(bits, lut, out):
+    idx = cuda.grid(1)
+    n = out.shape[1]
+    if idx < out.shape[0] * n:
+        t = idx // n
+        i = idx - t * n
+        out[t, i] = lut[bits[t, i]]
+
+
+def decode_f16(bits, lut, out):
+    """out (m, n) float32 <- the fp16 bit patterns bits[:m] (uint16) through lut (exact)."""
+    if out.size == 0:
+        return
+    blocks, threads = _element_grid(out.size)
+    _decode_f16_kernel[blocks, threads](bits, lut, out)
+
+
+@cuda.jit
 def _weighted_sum_kernel(expert_out, weights, out):
     t, i = cuda.grid(2)
     if t < out.shape[0] and i < out.shape[1]:
@@ -390,12 +511,24 @@ def _read_f16(cache, lut, g, j, i):
     return lut[cache[g, j, i]]
 
 
-def _make_attention_kernel(read_cache):
+@cuda.jit(device=True)
+def _position_all(selected, t, j):
+    return j
+
+
+@cuda.jit(device=True)
+def _position_selected(selected, t, j):
+    return selected[t, j]
+
+
+def _make_attention_kernel(read_cache, position):
     """The attention kernel over a cache whose element (g, j, i) is read_cache(cache, lut, g, j, i)
-    as a float32 (two kernels, because numba types both branches of a runtime test)."""
+    as a float32, visiting the rows position(selected, t, 0..limits[t]-1) of query row t (every
+    row below the limit, or a sparse attention's list: four kernels, because numba types both
+    branches of a runtime test)."""
 
     @cuda.jit
-    def attention_kernel(q, cache_k, cache_v, limits, scale, lut, out):
+    def attention_kernel(q, cache_k, cache_v, limits, selected, scale, lut, out):
         n_head, key_dim, value_dim = q.shape[1], q.shape[2], out.shape[2]
         row_head = cuda.blockIdx.x
         t = row_head // n_head
@@ -414,9 +547,10 @@ def _make_attention_kernel(read_cache):
             key = j0 + tid
             score = _NEG_INF
             if key < limit:
+                p = position(selected, t, key)
                 dot = _ZERO
                 for i in range(key_dim):
-                    dot += q[t, h, i] * read_cache(cache_k, lut, g, key, i)
+                    dot += q[t, h, i] * read_cache(cache_k, lut, g, p, i)
                 score = dot * scale
             new_max = max(running_max, _block_max(scratch, tid, score))
             weight = _ZERO
@@ -435,7 +569,8 @@ def _make_attention_kernel(read_cache):
                 if i < value_dim:
                     a = acc[d] * rescale
                     for j in range(n_keys):  # key order
-                        a += weights[j] * read_cache(cache_v, lut, g, j0 + j, i)
+                        a += weights[j] * read_cache(cache_v, lut, g,
+                                                     position(selected, t, j0 + j), i)
                     acc[d] = a
             cuda.syncthreads()  # all have read weights before the next tile rewrites them
         inv_total = _ONE / total
@@ -447,11 +582,13 @@ def _make_attention_kernel(read_cache):
     return attention_kernel
 
 
-_attention_f32_kernel = _make_attention_kernel(_read_f32)
-_attention_f16_kernel = _make_attention_kernel(_read_f16)
+_ATTENTION_KERNELS = {(f16, sparse): _make_attention_kernel(_read_f16 if f16 else _read_f32,
+                                                             _position_selected if sparse
+                                                             else _position_all)
+                      for f16 in (False, True) for sparse in (False, True)}
 
 
-def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None):
+def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None, selected=None):
     """softmax(scale * q . k) weighted sum of values over cache rows [0, limits[t]) for row t.
 
     q (k, n_head, key_dim), out (k, n_head, value_dim); cache_k (n_kv_head, n_ctx, key_dim),
@@ -459,6 +596,8 @@ def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None):
     passes its rows as keys and their first kv_lora_rank columns as values): float32, or uint16
     fp16 bit patterns when f16_lut (a device copy of formats._numeric.FP16_TO_FP32) is given;
     limits device int64 (k,). Query head h reads kv head h // (n_head // n_kv_head) (GQA).
+    ``selected`` (device int64 (k, m), ascending): row t then visits the cache rows
+    selected[t, :limits[t]] only (a sparse attention's choice; limits are the counts).
     A row with limit 0 gives NaN (0 / 0), as on the CPU."""
     k, n_head, key_dim = q.shape
     value_dim = out.shape[2]
@@ -473,10 +612,9 @@ def attention(q, cache_k, cache_v, limits, scale, out, f16_lut=None):
     if k * n_head == 0:
         return
     scale = np.float32(scale)  # a Python float would make the scores float64 on the device
-    if f16_lut is None:
-        # the f32 reader never touches lut: any device array of fixed type will do
-        _attention_f32_kernel[k * n_head, ATTENTION_THREADS](q, cache_k, cache_v, limits, scale,
-                                                             cache_k, out)
-    else:
-        _attention_f16_kernel[k * n_head, ATTENTION_THREADS](q, cache_k, cache_v, limits, scale,
-                                                             f16_lut, out)
+    kernel = _ATTENTION_KERNELS[(f16_lut is not None, selected is not None)]
+    # the f32 reader never touches lut, the dense kernel never touches selected: any device
+    # array of a fixed type will do
+    kernel[k * n_head, ATTENTION_THREADS](q, cache_k, cache_v, limits,
+                                          limits.reshape(k, 1) if selected is None else selected,
+                                          scale, cache_k if f16_lut is None else f16_lut, out)
