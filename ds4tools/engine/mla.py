@@ -131,8 +131,9 @@ class MLAWorkspace:
         self.ctx = ops.empty((rows, s.n_head, s.n_lora_kv))
         self.v = ops.empty((rows, s.n_head, s.n_v))
         self.proj = ops.empty((rows, n_embd))
-        #: row t * n_head + h multiplies with head h's matrix (host ids: the grouped matmul's)
+        #: row t * n_head + h multiplies with head h's matrix (on the host, and once on the device)
         self.head_ids = np.tile(np.arange(s.n_head, dtype=np.int64), rows).reshape(rows * s.n_head, 1)
+        self.device_head_ids = ops.asarray(self.head_ids.reshape(-1))
 
 
 def mla_attention_block(x, w: MLAWeights, s: MLAShape, rms_eps: float, kq_scale: float,
@@ -174,8 +175,9 @@ def mla_attention_block(x, w: MLAWeights, s: MLAShape, rms_eps: float, kq_scale:
     q_nope = ws.q_nope[:k]
     ops.copy_into(q_nope, q[:, :, :s.n_nope])
     q_abs = ws.q_abs[:k]
-    ids = ws.head_ids[:kh]
-    w.wk_b.matmul(q_nope.reshape(kh, s.n_nope), ids, q_abs.reshape(kh, 1, s.n_lora_kv))
+    ids, device_ids = ws.head_ids[:kh], ws.device_head_ids[:kh]
+    w.wk_b.matmul(q_nope.reshape(kh, s.n_nope), ids, q_abs.reshape(kh, 1, s.n_lora_kv),
+                  device_ids=device_ids)
     q_cat = ws.q_cat[:k]
     ops.copy_into(q_cat[:, :, :s.n_lora_kv], q_abs)
     ops.copy_into(q_cat[:, :, s.n_lora_kv:], q[:, :, s.n_nope:])
@@ -187,7 +189,8 @@ def mla_attention_block(x, w: MLAWeights, s: MLAShape, rms_eps: float, kq_scale:
     else:
         cache.attend(layer, q_cat, limits, kq_scale, ctx, selected)
     v = ws.v[:k]
-    w.wv_b.matmul(ctx.reshape(kh, s.n_lora_kv), ids, v.reshape(kh, 1, s.n_v))
+    w.wv_b.matmul(ctx.reshape(kh, s.n_lora_kv), ids, v.reshape(kh, 1, s.n_v),
+                  device_ids=device_ids)
     o = ws.proj[:k]
     w.wo.matmul(v.reshape(k, s.n_head * s.n_v), o)
     ops.add_into(x, o)

@@ -193,9 +193,12 @@ class ExpertMatrices:
             return min(self.n_used, self.n_expert) * self.expert_nbytes
         return float(self.nbytes)
 
-    def matmul(self, x, expert_ids: np.ndarray, out: np.ndarray, *, record: bool = True) -> np.ndarray:
+    def matmul(self, x, expert_ids: np.ndarray, out: np.ndarray, *, record: bool = True,
+               device_ids=None) -> np.ndarray:
         """out[t, j] = x[t] @ W[expert_ids[t, j]].T; x float32 (k, n_in) or a SharedInput.
-        ``record``: count the experts read under the call's row count (see ``reads``)."""
+        ``record``: count the experts read under the call's row count (see ``reads``).
+        ``device_ids``: the same ids already on the device (fixed ids, such as MLA's per-head
+        ones, uploaded once; a device backend's matmul reads them; here they are the host's)."""
         shared = x if isinstance(x, SharedInput) else None
         rows = shared.x if shared is not None else x
         if ((self.kq_kind is not None or self.legacy_kind is not None)

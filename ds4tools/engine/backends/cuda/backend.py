@@ -96,16 +96,19 @@ class DeviceExpertMatrices:
     reset_reads = ExpertMatrices.reset_reads
     bytes_per_call = ExpertMatrices.bytes_per_call
 
-    def matmul(self, x, expert_ids: np.ndarray, out, *, record: bool = True):
+    def matmul(self, x, expert_ids: np.ndarray, out, *, record: bool = True, device_ids=None):
         """out[t, j] = x[t] @ W[expert_ids[t, j]].T; x (k, n_in) on the device (or a
-        SharedInput), expert_ids numpy (k, n_used), out (k, n_used, n_out) on the device."""
+        SharedInput), expert_ids numpy (k, n_used), out (k, n_used, n_out) on the device.
+        ``device_ids``: the same ids (flat, int64) already on the device: nothing is uploaded."""
         rows = x.x if isinstance(x, SharedInput) else x
         ids = np.ascontiguousarray(expert_ids, np.int64)
         if record:
             self.record(ids.shape[0], int(np.unique(ids).size))
         n_pairs = ids.size
-        matmul.expert_matmul(self.fmt.name, self.raw, rows, cuda.to_device(ids.reshape(-1)),
-                             ids.shape[1], out.reshape(n_pairs, self.n_out))
+        if device_ids is None:
+            device_ids = cuda.to_device(ids.reshape(-1))
+        matmul.expert_matmul(self.fmt.name, self.raw, rows, device_ids, ids.shape[1],
+                             out.reshape(n_pairs, self.n_out))
         return out
 
 
