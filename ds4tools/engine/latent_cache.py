@@ -31,14 +31,16 @@ class LatentCache:
     fp16 bit patterns (uint16). Same length / truncate / snapshot semantics as KVCache:
     truncating moves the length only, the next forward overwrites the stale rows."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, cache_type: str = "f32"):
+    def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, cache_type: str = "f32",
+                 zeros=np.zeros):
+        """``zeros(shape, dtype)`` allocates the rows (a device backend passes its own)."""
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"unknown cache type {cache_type!r} (use {' or '.join(CACHE_TYPES)})")
         if min(n_layer, n_ctx, n_lora_kv, n_rot) <= 0:
             raise ValueError("latent cache dimensions must be positive")
         dtype = np.float32 if cache_type == "f32" else np.uint16
         # np.zeros maps fresh pages lazily: a long context costs memory only once it is used.
-        self.rows = np.zeros((n_layer, n_ctx, n_lora_kv + n_rot), dtype)
+        self.rows = zeros((n_layer, n_ctx, n_lora_kv + n_rot), dtype)
         self.n_lora_kv = n_lora_kv
         self.cache_type = cache_type
         self.n_ctx = n_ctx
@@ -212,13 +214,13 @@ class DSACache(LatentCache):
     both: truncate, snapshot and restore keep them in step."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, index_layers,
-                 index_dim: int, cache_type: str = "f32"):
-        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
+                 index_dim: int, cache_type: str = "f32", zeros=np.zeros):
+        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, cache_type, zeros)
         self.index_layers = tuple(int(i) for i in index_layers)
         if not self.index_layers or index_dim <= 0:
             raise ValueError("a DSA cache needs indexer layers and a positive key length")
         self.index_slot = {il: slot for slot, il in enumerate(self.index_layers)}
-        self.index_rows = np.zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
+        self.index_rows = zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
 
     def snapshot(self) -> DSASnapshot:
         n = self.length

@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from ....formats._numeric import FP16_TO_FP32
-from ...kv_cache import CACHE_TYPES, KVCache, KVSnapshot
+from ...kv_cache import KVCache, KVSnapshot
 from ...latent_cache import DSACache, DSASnapshot, LatentCache, LatentSnapshot
 from ...moe import ExpertMatrices
 from ...weights import Linear, SharedInput
@@ -155,16 +155,7 @@ class DeviceLatentCache(LatentCache):
 
     def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int,
                  cache_type: str = "f32"):
-        if cache_type not in CACHE_TYPES:
-            raise ValueError(f"unknown cache type {cache_type!r} (use {' or '.join(CACHE_TYPES)})")
-        if min(n_layer, n_ctx, n_lora_kv, n_rot) <= 0:
-            raise ValueError("latent cache dimensions must be positive")
-        dtype = np.float32 if cache_type == "f32" else np.uint16
-        self.rows = _zeros((n_layer, n_ctx, n_lora_kv + n_rot), dtype)
-        self.n_lora_kv = n_lora_kv
-        self.cache_type = cache_type
-        self.n_ctx = n_ctx
-        self.length = 0
+        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, cache_type, zeros=_zeros)
 
     def snapshot(self) -> LatentSnapshot:
         """A device copy of the rows (all of them, as DeviceKVCache) and the length."""
@@ -184,13 +175,9 @@ class DeviceLatentCache(LatentCache):
         rows = self.rows[layer]
         keys = rows.reshape(1, *rows.shape)
         lut = None if self.cache_type == "f32" else CUDA.fp16_table()
-        if selected is None:
-            ops.attention(q, keys, keys[:, :, :self.n_lora_kv], limits, np.float32(scale), out,
-                          lut)
-        else:
-            positions, counts = selected
-            ops.attention(q, keys, keys[:, :, :self.n_lora_kv], counts, np.float32(scale), out,
-                          lut, positions)
+        positions, counts = (None, limits) if selected is None else selected
+        ops.attention(q, keys, keys[:, :, :self.n_lora_kv], counts, np.float32(scale), out, lut,
+                      positions)
 
 
 class DeviceDSACache(DSACache):
@@ -199,12 +186,8 @@ class DeviceDSACache(DSACache):
 
     def __init__(self, n_layer: int, n_ctx: int, n_lora_kv: int, n_rot: int, index_layers,
                  index_dim: int, cache_type: str = "f32"):
-        DeviceLatentCache.__init__(self, n_layer, n_ctx, n_lora_kv, n_rot, cache_type)
-        self.index_layers = tuple(int(i) for i in index_layers)
-        if not self.index_layers or index_dim <= 0:
-            raise ValueError("a DSA cache needs indexer layers and a positive key length")
-        self.index_slot = {il: slot for slot, il in enumerate(self.index_layers)}
-        self.index_rows = _zeros((len(self.index_layers), n_ctx, index_dim), self.rows.dtype)
+        super().__init__(n_layer, n_ctx, n_lora_kv, n_rot, index_layers, index_dim, cache_type,
+                         zeros=_zeros)
 
     store = DeviceLatentCache.store
     attend = DeviceLatentCache.attend
