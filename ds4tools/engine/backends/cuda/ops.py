@@ -7,13 +7,17 @@ and meaning are those of the CPU kernels of the same name in ``ds4tools.engine.k
 
 Thread layouts
 --------------
-* Element-wise ops (add_bias, add_into, swiglu, rope, store_kv_*): one thread per output element
-  (rope: per rotated pair; store_kv: per (row, kv head, dim)), ELEMENT_THREADS per block over
-  the flattened index. No thread reads what another writes, so there is nothing to order.
+* Element-wise ops (add_bias, add_into, scale, swiglu, rope, store_kv_*, store_rows,
+  copy_strided, decode_f16): one thread per output element (rope: per rotated pair; store_kv:
+  per (row, kv head, dim)), ELEMENT_THREADS per block over the flattened index. No thread reads
+  what another writes, so there is nothing to order.
 * rmsnorm: one block of ROW_THREADS threads per row. Thread ``tid`` sums the squares (float64,
   as ggml and the CPU kernel do) of elements tid, tid + ROW_THREADS, ... in that order; the
   ROW_THREADS partial sums are then added in thread order from shared memory. Then every
-  thread scales its own elements.
+  thread scales its own elements. layer_norm: the same layout, for the mean, then the variance.
+* rotate_rows: one block per row; the row is copied to shared memory, then thread tid writes
+  outputs tid, tid + ROW_THREADS, ..., each a dot over the row in index order.
+* dsa_scores: one thread per (row, position): the heads, then each head's dimensions, in order.
 * attention: one block of ATTENTION_THREADS threads (one warp) per (query row t, query head h);
   head h reads kv head h // (n_head // n_kv_head). Keys are visited in tiles of
   ATTENTION_THREADS, from key 0 up to limits[t]:
@@ -26,8 +30,10 @@ Thread layouts
        the tile's keys in key order into dims i, i + ATTENTION_THREADS, ... (a per-thread
        local array of DIMS_PER_THREAD floats: value width <= MAX_HEAD_DIM);
     4. out = accumulator * (1 / total), written once at the end.
-  Value reads are coalesced (consecutive threads, consecutive dims); key reads are not (thread
-  j reads key row j) -- simple first, a shared-memory key tile would be the next step.
+  With ``selected`` (a sparse attention's choice) key j of row t is cache row selected[t, j],
+  and limits[t] counts them. Value reads are coalesced (consecutive threads, consecutive
+  dims); key reads are not (thread j reads key row j) -- simple first, a shared-memory key tile
+  would be the next step.
 
 Why this is batch-invariant (lossless speculative decoding)
 -----------------------------------------------------------
@@ -47,7 +53,8 @@ arithmetic (only exp differs: libdevice's expf against the simulator's rounded d
 exp is clamped to the CPU's exp_f32 range, so silu and softmax weights see the same limits.
 The reductions are not in the CPU kernels' order, so results agree with the CPU to float32
 rounding (~1e-6 relative, attention ~1e-5), not bit for bit -- except add_bias, add_into,
-store_kv_* (exactly the CPU's bits; store_kv_f16 rounds with the CPU's own f32_bits_to_f16).
+scale, store_kv_*, store_rows, copy_strided, decode_f16 (exactly the CPU's bits; the fp16
+stores round with the CPU's own f32_bits_to_f16).
 """
 import math
 
