@@ -76,6 +76,20 @@ def test_speculative_greedy_equals_plain(model_dir):
     assert spec == plain
 
 
+def _assert_equals_the_cpu_and_keeps_its_bits_in_batches(make, model_dir, start, stop):
+    """The MoE families' check: ``make(model_dir, device)``'s prefill logits on the GPU equal
+    the CPU's exact path, and after a rollback to ``start`` the tokens start..stop-1 decoded one
+    at a time give the prefill's bits."""
+    want = make(model_dir, "cpu").forward(TOKENS, 0).logits
+    gpu = make(model_dir, "cuda")
+    got = gpu.forward(TOKENS, 0).logits
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    gpu.cache.truncate(start)
+    single = np.stack([gpu.forward([t], i).logits[0]
+                       for i, t in enumerate(TOKENS[start:stop], start)])
+    np.testing.assert_array_equal(got[start:stop].view(np.uint32), single.view(np.uint32))
+
+
 def _glm4moe(model_dir, device):
     from ds4tools.engine import glm4moe
     from tests import glm4moe_model as g
@@ -94,13 +108,7 @@ def _glm4moe(model_dir, device):
 
 
 def test_glm4moe_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
-    want = _glm4moe(model_dir, "cpu").forward(TOKENS, 0).logits
-    gpu = _glm4moe(model_dir, "cuda")
-    got = gpu.forward(TOKENS, 0).logits
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
-    gpu.cache.truncate(8)
-    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[8:16], 8)])
-    np.testing.assert_array_equal(got[8:16].view(np.uint32), single.view(np.uint32))
+    _assert_equals_the_cpu_and_keeps_its_bits_in_batches(_glm4moe, model_dir, 8, 16)
 
 
 def _deepseek2(model_dir, device):
@@ -120,13 +128,7 @@ def _deepseek2(model_dir, device):
 
 
 def test_deepseek2_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
-    want = _deepseek2(model_dir, "cpu").forward(TOKENS, 0).logits
-    gpu = _deepseek2(model_dir, "cuda")
-    got = gpu.forward(TOKENS, 0).logits
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
-    gpu.cache.truncate(8)
-    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[8:16], 8)])
-    np.testing.assert_array_equal(got[8:16].view(np.uint32), single.view(np.uint32))
+    _assert_equals_the_cpu_and_keeps_its_bits_in_batches(_deepseek2, model_dir, 8, 16)
 
 
 def _glm_dsa(model_dir, device):
@@ -147,10 +149,4 @@ def _glm_dsa(model_dir, device):
 
 
 def test_glm_dsa_equals_the_cpu_and_keeps_its_bits_in_batches(model_dir):
-    want = _glm_dsa(model_dir, "cpu").forward(TOKENS, 0).logits
-    gpu = _glm_dsa(model_dir, "cuda")
-    got = gpu.forward(TOKENS, 0).logits
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
-    gpu.cache.truncate(20)
-    single = np.stack([gpu.forward([t], i).logits[0] for i, t in enumerate(TOKENS[20:28], 20)])
-    np.testing.assert_array_equal(got[20:28].view(np.uint32), single.view(np.uint32))
+    _assert_equals_the_cpu_and_keeps_its_bits_in_batches(_glm_dsa, model_dir, 20, 28)
