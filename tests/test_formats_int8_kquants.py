@@ -231,6 +231,53 @@ def test_int8_integer_routes_bit_identical(name):
 
 
 @pytest.mark.parametrize("name", KQUANTS)
+def test_int8_fused_k_kernels_avx2_route_bit_identical(name):
+    """The fused kernels of 4 and 8 tokens (FUSED_K4, FUSED_K8) compiled for the AVX2 route
+    give the tiles' bits (the generic route on a host without AVX2). That route adds up to
+    32767 // K_PAIR_BOUND vpmaddubsw pair sums as int16 before a vpmaddwd, so the weights here
+    reach their quants' ends (rows of +-1) and the activations Q8_K's ends (-127 and 127:
+    rows of +-1 again): the tightest sums."""
+    from numba import njit
+
+    from ds4tools.formats import _int8dot, kquants
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    n_in = 256 * 3  # Q4_K, Q5_K: one whole pair and a half-empty one
+    kind = KQUANTS.index(name)
+    rng = np.random.default_rng(41)
+    w = rng.standard_normal((N_OUT, n_in)).astype(np.float32)
+    w[::2] = np.sign(w[::2])
+    raw = formats.quantize(w, name).reshape(N_OUT, -1)
+    x = rng.standard_normal((12, n_in)).astype(np.float32)
+    x[:6] = np.sign(x[:6])
+    act = quantize_activations(x, "Q8_K")
+    assert act.q.min() == -127 and act.q.max() == 127  # (ggml's Q8_K: -127 / max)
+    ref = formats.matmul(raw, name, w.shape, x, int8=True)  # 12 tokens: the tiles
+
+    def runner(kernel, k):
+        @njit
+        def run(raw, xq, dx, dxs, out):
+            n = raw.shape[0]
+            for r in range(n):
+                v = kernel(raw, FP16_TO_FP32, xq, dx, dxs, 0, r, n)
+                for t in range(k):
+                    out[t, r] = v[t]
+        return run
+
+    saved = _int8dot.USE_VNNI, _int8dot.USE_AVX2
+    _int8dot.USE_VNNI, _int8dot.USE_AVX2 = False, True
+    try:
+        for t0, k in ((0, 8), (8, 4)):
+            xq, dx, dxs = kquants._layout_k(kind, act.q[t0:t0 + k], act.d[t0:t0 + k],
+                                            act.sums[t0:t0 + k], False)
+            got = np.empty((k, N_OUT), np.float32)
+            runner(getattr(_int8dot, f"FUSED_K{k}_{name}"), k)(raw, xq, dx, dxs, got)
+            np.testing.assert_array_equal(got.view(np.int32), ref[t0:t0 + k].view(np.int32),
+                                          err_msg=f"k={k}")
+    finally:
+        _int8dot.USE_VNNI, _int8dot.USE_AVX2 = saved
+
+
+@pytest.mark.parametrize("name", KQUANTS)
 def test_int8_matmul_long_batches_match_single_tokens(name):
     # prefill batches span several of the kernel's token blocks (32 tokens) with a ragged end
     w, raw, _ = _case(name, 512, 70)

@@ -205,7 +205,7 @@ def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, mo
         ref = np.empty((3, n_out), np.float32)
         formats.FORMATS[name]._cpu_matmul_q8(raw, quantize_activations(x, "Q8_0"), ref)  # k = 3: tiles
         prepared = {}  # the activations as matmul_q8_tiles lays them out for k = 1 and k = 2
-        monkeypatch.setattr(legacy, "_matmul_q8", lambda kind_, raw_, lut, xq, xc, dx, dxs, out:
+        monkeypatch.setattr(legacy, "_matmul_q8", lambda kind_, raw_, lut, xq, xc, dx, dxs, out, p:
                             prepared.__setitem__(xq.shape[0], (xq, xc, dx, dxs)))
         legacy.matmul_q8_tiles(kind, raw, quantize_activations(x[:1], "Q8_0"), np.empty((1, n_out), np.float32))
         legacy.matmul_q8_tiles(kind, raw, quantize_activations(x[1:], "Q8_0"), np.empty((2, n_out), np.float32))
@@ -229,6 +229,26 @@ def test_fused_one_and_two_token_kernels_equal_the_tiles_on_every_route(name, mo
             run(raw, *prepared[1], *prepared[2], got)
             monkeypatch.undo()
             np.testing.assert_array_equal(got.view(np.int32), ref.view(np.int32), err_msg=f"{vnni} {avx2} {n_in}")
+
+
+@pytest.mark.parametrize("name", FORMATS + ["IQ4_NL", "Q4_K", "Q6_K"])
+def test_int8_matmul_fused_passes_bit_identical(name, monkeypatch):
+    """FUSED_PASSES (AVX2 hosts without VNNI): 19 tokens in passes of 8, 8 and 3 through the
+    fused kernels give the tiles' bits (IQ4_NL keeps its tiles either way)."""
+    from ds4tools.formats import kquants, legacy
+    w, raw, x = _case(name, 9, 256 * 5, 19, seed=12)
+    monkeypatch.setattr(legacy, "FUSED_PASSES", False)
+    monkeypatch.setattr(kquants, "FUSED_PASSES", False)
+    tiles = formats.matmul(raw, name, w.shape, x, int8=True)
+    monkeypatch.setattr(legacy, "FUSED_PASSES", True)
+    monkeypatch.setattr(kquants, "FUSED_PASSES", True)
+    monkeypatch.setattr(kquants, "NATURAL_FEW", False)
+    np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x, int8=True).view(np.int32),
+                                  tiles.view(np.int32))
+    f = formats.FORMATS[name]
+    out = np.empty((19, 9), np.float32)  # and from activations quantized apart
+    f._cpu_matmul_q8(raw, quantize_activations(x, f.act_type), out)
+    np.testing.assert_array_equal(out.view(np.int32), tiles.view(np.int32))
 
 
 @pytest.mark.parametrize("name", FORMATS)

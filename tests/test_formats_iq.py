@@ -234,7 +234,7 @@ def _iq2_prepared(raw, x):
     """The activations as matmul_q8_tiles hands them to _matmul_q8, per k (len(x))."""
     got = {}
     orig = legacy._matmul_q8
-    legacy._matmul_q8 = lambda kind, raw_, lut, xq, xc, dx, dxs, out: got.update(
+    legacy._matmul_q8 = lambda kind, raw_, lut, xq, xc, dx, dxs, out, passes: got.update(
         a=(xq, xc, dx, dxs))
     try:
         legacy.matmul_q8_tiles(_int8dot.KIND_IQ2_XXS, raw, quantize_activations(x, "Q8_K"),

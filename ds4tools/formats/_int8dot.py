@@ -162,6 +162,32 @@ def _dot_chunk(builder, acc, u, x, route):
     return builder.add(acc, p4)
 
 
+def _dot_chunks(builder, acc, chunks, route, pair_bound):
+    """acc + the chunk dots of ``chunks`` [(u, x)] (as _dot_chunk, in turn). On the "avx2"
+    route the vpmaddubsw pair sums of up to 32767 // pair_bound chunks are added as int16
+    before one vpmaddwd: exact, since ``pair_bound`` bounds |a pair sum| (2 * max u * max |x|)
+    and so no int16 sum can leave the int16 range; that saves a vpmaddwd and turns an int32
+    add into an int16 one per chunk, half the integer work of a few-token K kernel's token."""
+    per = 32767 // pair_bound
+    if route != "avx2" or per < 2:
+        for u, x in chunks:
+            acc = _dot_chunk(builder, acc, u, x, route)
+        return acc
+    maddubs, maddwd, _, ones = _avx2_fns(builder)
+    for i in range(0, len(chunks), per):
+        halves = []
+        for h in range(2):
+            sel = _mask(range(32 * h, 32 * h + 32))
+            s16 = None
+            for u, x in chunks[i:i + per]:
+                pairs = builder.call(maddubs, [builder.shuffle_vector(u, u, sel),
+                                               builder.shuffle_vector(x, x, sel)])
+                s16 = pairs if s16 is None else builder.add(s16, pairs)
+            halves.append(builder.call(maddwd, [s16, ones]))
+        acc = builder.add(acc, builder.shuffle_vector(halves[0], halves[1], _mask(range(16))))
+    return acc
+
+
 def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
     """IR for the dots of every weight row in ``rows`` (u, dw, m pointers) with every token in
     ``toks`` (x, xcorr, dx, dxs pointers) over groups g0..g1-1, continuing the 16-lane float
@@ -184,7 +210,11 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
             uv = [_load(builder, r[0], off, v64i8) for r in rows]
             xv = [_load(builder, t[0], off, v64i8) for t in toks]
             for r, t in pairs:
-                isum[r, t] = _dot_chunk(builder, isum[r, t], uv[r], xv[t], route)
+                if route == "avx2-sign":  # see below
+                    qv = builder.xor(uv[r], _splat(-128, _I8, 64))
+                    isum[r, t] = builder.add(isum[r, t], _signed_dot_chunk(builder, qv, xv[t]))
+                else:
+                    isum[r, t] = _dot_chunk(builder, isum[r, t], uv[r], xv[t], route)
         gb = builder.mul(g, _const(GROUP_BLOCKS))
         dws = [_load(builder, r[1], gb, v16f, 4) for r in rows]
         dxs = [_load(builder, t[2], gb, v16f, 4) for t in toks]
@@ -195,7 +225,11 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
             corr = [_load(builder, t[1], gb, v16i32, 4) for t in toks]
         out = []
         for (r, t), acc in zip(pairs, accs):
-            s = isum[r, t] if affine else builder.sub(isum[r, t], corr[t])
+            # the "avx2-sign" route (unsigned bytes u = q + 128: Q8_0, IQ4_NL, IQ2_XXS) dots the
+            # signed q = u ^ 0x80 as they are: the integers isum - corr (corr = 128 * sum(x)) in
+            # one go, without the 128 * sum(x) per chunk and token _dot_chunk would add back
+            signed = route == "avx2-sign"
+            s = isum[r, t] if affine or signed else builder.sub(isum[r, t], corr[t])
             scale = builder.fmul(dws[r], dxs[t])
             acc = builder.fadd(acc, builder.fmul(builder.sitofp(s, v16f), scale))
             if affine:
@@ -411,6 +445,29 @@ def _pair_sums(builder, a, b):
                        builder.shuffle_vector(a, b, _mask(range(1, 32, 2))))
 
 
+def _block_sums_avx2(builder, parts):
+    """AVX2's form of three levels of _pair_sums: ``parts`` are 8 <16 x i32>, vector v holding
+    8 partial sums of block 2v (lanes 0..7) and 8 of block 2v + 1 (lanes 8..15); returns
+    <16 x i32>, lane i = block i's sum. Two levels of vphaddd leave, per 4 blocks, the sums of
+    their low 16 bytes in one 128-bit half and of their high 16 bytes in the other; one
+    vpblendd, one vperm2i128 and an add then meet the halves in block order. The generic tree
+    compiles to a vphaddd and a vpermq at every level: 42 port-5 operations per token and
+    group against 26 here, and port 5 bounds a few-token kernel's loop on AVX2. The same exact
+    integers either way."""
+    v8i32 = ir.VectorType(_I32, 8)
+    phadd = _intrinsic_fn(builder, "llvm.x86.avx2.phadd.d", v8i32, [v8i32, v8i32])
+    blocks = []
+    for p in parts:
+        blocks += [builder.shuffle_vector(p, p, _mask(range(8))),
+                   builder.shuffle_vector(p, p, _mask(range(8, 16)))]
+    while len(blocks) > 4:
+        blocks = [builder.call(phadd, [a, b]) for a, b in zip(blocks[::2], blocks[1::2])]
+    eights = [builder.add(builder.shuffle_vector(a, b, _mask([0, 1, 2, 3, 12, 13, 14, 15])),
+                          builder.shuffle_vector(a, b, _mask([4, 5, 6, 7, 8, 9, 10, 11])))
+              for a, b in zip(blocks[::2], blocks[1::2])]
+    return builder.shuffle_vector(eights[0], eights[1], _mask(range(16)))
+
+
 def _signed_dot_chunk(builder, w, x):
     """<16 x i32>: lane i = the sum of the 4 products w[4i+e] * x[4i+e] of signed bytes (AVX2:
     vpmaddubsw(|w|, x * sign(w)), exact while x >= -127, as ggml's Q8_0 activations are)."""
@@ -453,6 +510,9 @@ def _emit_q8_0_natural(builder, route, rp, lutp, g, nvalid, xv):
             parts[t].append(_dot_chunk(builder, zero, u, x[v], route))
     sums = []
     for p in parts:
+        if route in ("avx2", "avx2-sign"):
+            sums.append(_block_sums_avx2(builder, p))
+            continue
         while len(p) > 1:
             p = [_pair_sums(builder, a, b) for a, b in zip(p[::2], p[1::2])]
         sums.append(p[0])
@@ -508,6 +568,31 @@ FUSED_QUAD = (0, 1, 5)
 FUSED_SLOTS = (KIND_IQ2_XXS,)
 
 
+#: the fused kernels prefetch the rows this many rows ahead (the same group or super-block):
+#: one decoding thread streams rows faster than the hardware prefetchers alone bring them, and
+#: a few-token kernel busy with arithmetic leaves them to wait on memory without it
+PREFETCH_ROWS = 8
+
+
+def _prefetcher(context, builder, aty, val, rps, ts):
+    """A function of a unit index (a group, a super-block: ``ts`` raw bytes) emitting
+    prefetches of that unit's bytes in the rows PREFETCH_ROWS after each of ``rps`` (hints:
+    never a fault, even past the end)."""
+    ary = context.make_array(aty)(context, builder, val)
+    ahead = builder.mul(builder.extract_value(ary.strides, 0), _const(PREFETCH_ROWS))
+    i8p = _I8.as_pointer()
+    fn = _intrinsic_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _I32, _I32, _I32])
+    args = [ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
+    bases = [builder.gep(builder.bitcast(rp, i8p), [ahead]) for rp in rps]
+
+    def emit(sb):
+        o = builder.mul(sb, _const(ts))
+        for b in bases:
+            for off in range(0, ts, 64):
+                builder.call(fn, [builder.gep(b, [builder.add(o, _const(off))])] + args)
+    return emit
+
+
 def _make_fused(kind, n_rows, n_toks):
     iq2 = kind == KIND_IQ2_XXS  # raw units of 66 bytes = 8 blocks (super-blocks)
     ts = 66 if iq2 else UNPACK_LAYOUTS[kind][0]
@@ -545,8 +630,11 @@ def _make_fused(kind, n_rows, n_toks):
             toks = [tuple(_row_ptr(context, builder, sig.args[a], args[a], ti)
                           for a in (2, 3, 4, 5)) for ti in _clamped(builder, t0, n_toks, last_t)]
             zero = ir.Constant(v16f, [ir.Constant(_F32, 0.0)] * 16)
+            pf = _prefetcher(context, builder, sig.args[0], args[0], rps, GROUP_RAW_BYTES[kind])
 
             def group(g, accs, nvalid):
+                if nvalid is None:
+                    pf(g)
                 base = builder.mul(g, _const(GROUP_BYTES))
                 gb = builder.mul(g, _const(GROUP_BLOCKS))
                 xv = [[_load(builder, tp[0], builder.add(base, _const(64 * c)), v64i8)
@@ -982,6 +1070,10 @@ K_AFFINE = (True, False, True, True, False)
 #: values fill the 16 lanes from two super-blocks, so the float work per value halves), else
 #: one super-block (lane = a sub-block of 16 values)
 K_PAIRED = (False, False, True, True, False)
+#: per kind: the bound on |a vpmaddubsw pair sum| of its dots (2 * max unsigned operand * max
+#: |signed operand|: the affine formats' quants 0..3, 7 (Q3_K: -4..3 signed, against x + 128
+#: <= 255), 15, 31, and Q6_K's -32..31 against x + 128; Q8_K's x is -128..127), for _dot_chunks
+K_PAIR_BOUND = (2 * 3 * 128, 2 * 255 * 4, 2 * 15 * 128, 2 * 31 * 128, 2 * 255 * 32)
 #: values (bytes) per group of a paired kind; an odd last super-block fills the first half
 KPAIR_BYTES = 512
 KPAIR_CHUNKS = 8
@@ -1410,31 +1502,10 @@ UNPACK_K_Q2_K, UNPACK_K_Q3_K, UNPACK_K_Q4_K, UNPACK_K_Q5_K, UNPACK_K_Q6_K = (
     _make_unpack_k(k) for k in range(5))
 
 
-#: the fused K kernels prefetch the rows this many rows ahead (the same super-block): one
-#: decoding thread streams rows faster than the hardware prefetchers alone bring them
-K_PREFETCH_ROWS = 8
 #: weight rows per call of the K-quants' few-token kernels (FUSED_K*, and _kquant_avx2's
 #: NATURAL_K*): one, as FUSED_ROWS, for one ascending stream per thread (decoding a 350M
 #: Q4_K_M model on Zen 4: 1.23x the 4-row kernels with VNNI, 1.24x without)
 K_FUSED_ROWS = 1
-
-
-def _prefetcher(context, builder, aty, val, rps, ts):
-    """A function of a super-block index emitting prefetches of that super-block's bytes in
-    the rows K_PREFETCH_ROWS after each of ``rps`` (hints: never a fault, even past the end)."""
-    ary = context.make_array(aty)(context, builder, val)
-    ahead = builder.mul(builder.extract_value(ary.strides, 0), _const(K_PREFETCH_ROWS))
-    i8p = _I8.as_pointer()
-    fn = _intrinsic_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _I32, _I32, _I32])
-    args = [ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
-    bases = [builder.gep(builder.bitcast(rp, i8p), [ahead]) for rp in rps]
-
-    def emit(sb):
-        o = builder.mul(sb, _const(ts))
-        for b in bases:
-            for off in range(0, ts, 64):
-                builder.call(fn, [builder.gep(b, [builder.add(o, _const(off))])] + args)
-    return emit
 
 
 def _make_fused_k(kind, n_rows, n_toks):
@@ -1481,9 +1552,9 @@ def _make_fused_k(kind, n_rows, n_toks):
                     qv, dwv, mv, corrv = _emit_unpack_sb(builder, route, kind, rp, lutp, sb)
                     for t in range(n_toks):
                         isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16) if affine else corrv
-                        for c in range(4):
-                            a, b = (qv[c], xv[t][c]) if affine else (xv[t][c], qv[c])
-                            isum = _dot_chunk(builder, isum, a, b, route)
+                        isum = _dot_chunks(builder, isum, [(qv[c], xv[t][c]) if affine else
+                                                           (xv[t][c], qv[c]) for c in range(4)],
+                                           route, K_PAIR_BOUND[kind])
                         acc = builder.call(fma, [builder.sitofp(isum, v16f), builder.fmul(dwv, dxv[t]),
                                                  accs[i * n_toks + t]])
                         if affine:
@@ -1522,10 +1593,10 @@ def _make_fused_k(kind, n_rows, n_toks):
                         for t in range(n_toks):
                             sums = []
                             for h in range(len(sbs)):
-                                isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
-                                for c in range(KGROUP_CHUNKS):
-                                    isum = _dot_chunk(builder, isum, un[h][0][c], xv[t][h][c], route)
-                                sums.append(isum)
+                                sums.append(_dot_chunks(
+                                    builder, ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16),
+                                    [(un[h][0][c], xv[t][h][c]) for c in range(KGROUP_CHUNKS)],
+                                    route, K_PAIR_BOUND[kind]))
                             if half:
                                 sums.append(ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16))
                             isum = builder.add(builder.shuffle_vector(sums[0], sums[1], evens),

@@ -736,6 +736,12 @@ _QK_TOKEN_BLOCK = 32
 #: over blocks of 4 rows in L1; with AVX2 code 1.2-1.4x)
 _QK_FUSED_TOKENS = 8
 _QK_RUN_GROUPS = 16
+#: more tokens in passes of _QK_FUSED_TOKENS through the fused kernels instead of the tiles,
+#: where the CPU has AVX2 but not AVX-512 VNNI: there the tiles' int8 dots take a vpmaddwd per
+#: vpmaddubsw and their 4 x 2 blocks spill, and the 8-token kernels cost less per token (AVX2
+#: code on the Xeon of docs/engine.md, 2816x1024 from L3, 2 threads, k = 16 / 32: Q4_K 0.74 /
+#: 0.84x the tiles' time, Q6_K 0.80 / 0.96x). Each task's rows stay in L1 / L2 for its passes.
+FUSED_PASSES = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
 
 
 @njit(cache=True)
@@ -1069,9 +1075,10 @@ NATURAL_TOKENS = (4, 4, 1, 1, 4)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
+def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes):
     """out[t, r] = the int8-activation dot of K-quant weight row r and activation row t (from
-    _prep_act_k): fused for k <= 2, else _int8dot's K tiles on blocks of ``tb`` tokens,
+    _layout_k): fused for k <= _QK_FUSED_TOKENS (and with ``passes`` for any k, in passes of
+    that many tokens: FUSED_PASSES), else _int8dot's K tiles on blocks of ``tb`` tokens,
     ``run`` super-blocks at a time (see above)."""
     n_out = raw.shape[0]
     k, n_in = xq.shape  # the activation layout: pairs for Q4_K, Q5_K tiles (fused: groups)
@@ -1087,11 +1094,12 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb):
     per_task = _QK_ROWS_PER_TASK // R
     if k == 0:
         return
-    if k <= _QK_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
+    if k <= _QK_FUSED_TOKENS or passes:  # rows unpacked in registers, no scratch (same bits)
         per = _QK_ROWS_PER_TASK  # a multiple of K_FUSED_ROWS and K_SHORT_ROWS
         for c in prange((n_out + per - 1) // per):
-            _fused_k_span(kind, raw, lut, xq, dx, dxs, 0, k, c * per, min(n_out, c * per + per),
-                          out)
+            for s in range(0, k, _QK_FUSED_TOKENS):
+                _fused_k_span(kind, raw, lut, xq, dx, dxs, s, min(_QK_FUSED_TOKENS, k - s),
+                              c * per, min(n_out, c * per + per), out)
         return
     for c in prange((n_tiles + per_task - 1) // per_task):
         w = np.empty((R, n_in), np.uint8)
@@ -1140,22 +1148,24 @@ def _act_layout_k(kind, act):
     made once per layout and kept on act (see QuantizedActivations)."""
     k = act.q.shape[0]
     if K_PAIRED[kind]:
-        key = ("k-pair", k <= _QK_FUSED_TOKENS)  # the fused kernels read x in the group layout
+        # the fused kernels read x in the group layout
+        key = ("k-pair", k <= _QK_FUSED_TOKENS or FUSED_PASSES)
     else:
         key = ("k", bool(K_AFFINE[kind]))
     got = act.layouts.get(key)
     if got is None:
-        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums)
+        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums, FUSED_PASSES)
     return got
 
 
 @njit(cache=True)
-def _layout_k(kind, q, d, sums):
+def _layout_k(kind, q, d, sums, passes):
     # (xq, dx, dxs): Q8_K activations in the layout _matmul_q8_kg takes for ``kind`` (the group
-    # layout for Q4_K / Q5_K up to _QK_FUSED_TOKENS rows, which the fused kernels read)
+    # layout for Q4_K / Q5_K up to _QK_FUSED_TOKENS rows, or any with ``passes``, which the fused
+    # kernels read)
     k, n = q.shape
     if K_PAIRED[kind]:
-        grouped = k <= _QK_FUSED_TOKENS
+        grouped = k <= _QK_FUSED_TOKENS or passes
         n_pairs = (n // QK_K + 1) // 2
         xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
         dx = np.empty((k, 16 * n_pairs), np.float32)
@@ -1170,12 +1180,12 @@ def _layout_k(kind, q, d, sums):
 
 
 @njit(cache=True)
-def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb):
+def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb, passes):
     # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
     # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
     q, d, sums = quantize_q8_k_rows(x)
-    xq, dx, dxs = _layout_k(kind, q, d, sums)
-    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb)
+    xq, dx, dxs = _layout_k(kind, q, d, sums, passes)
+    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes)
 
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
@@ -1184,7 +1194,8 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
         _matmul_q8_k_natural(kind, raw, FP16_TO_FP32, act.q, act.d, act.sums, out)
         return
     xq, dx, dxs = _act_layout_k(kind, act)
-    _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK)
+    _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
+                  FUSED_PASSES)
 
 
 class _KQuant(QuantFormat):
@@ -1228,7 +1239,8 @@ class _KQuant(QuantFormat):
         elif k:
             if x.shape[1] % QK_K:
                 raise ValueError(f"row length {x.shape[1]} is not a multiple of Q8_K's block of {QK_K}")
-            _matmul_f32_via_q8_k(kind, raw, FP16_TO_FP32, x, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK)
+            _matmul_f32_via_q8_k(kind, raw, FP16_TO_FP32, x, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
+                                 FUSED_PASSES)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k

@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._block32 import QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, block_key_extrema
-from ._llvm_ir import f32_from_bits, store_le
+from ._llvm_ir import f32_from_bits, host_cpu_features, store_le
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
@@ -167,6 +167,13 @@ _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once pe
 #: (AVX-512 VNNI host, 2816x1024 / 1024x2816 x 24 from DRAM, 2 threads, k = 8 against the
 #: tiles: Q8_0 1.1-1.3x, Q4_0 1.25-1.7x, IQ4_NL 1.3-1.6x); the tiles from 9 on
 Q8_FUSED_TOKENS = 8
+#: more tokens in passes of Q8_FUSED_TOKENS through the fused kernels instead of the tiles, where
+#: the CPU has AVX2 but not AVX-512 VNNI: there the tiles' 2 x 2 blocks cost more per token than
+#: the fused kernels' one row of 8 tokens (AVX2 code on the Xeon of docs/engine.md, 2816x1024
+#: from L3, 2 threads, k = 16 / 32, the passes' time over the tiles': Q8_0 0.69 / 0.68, Q4_0,
+#: Q4_1, Q5_0, Q5_1 0.76-0.84), but for IQ4_NL and IQ2_XXS (1.18 / 1.26 and 1.17 / 1.48: their
+#: fused kernels look their levels up per row), which keep the tiles
+FUSED_PASSES = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 _Q8_TOKEN_BLOCK = 32  # tokens per block: see _matmul_q8
 
@@ -412,7 +419,7 @@ def _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, r0, r1, out):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
+def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out, passes):
     """out[t, r] = the int8-activation dot of weight row r (raw blocks of ``kind``) and
     activation row t (from _prep_act_q8). Weight rows go in pairs (an odd last row paired with
     itself), each pair unpacked once, then dotted with the tokens two at a time (an odd last
@@ -420,7 +427,8 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     whatever tile computes it. The tokens go in blocks of _Q8_TOKEN_BLOCK (their accumulators
     stay in L1) and long rows in runs of _Q8_RUN_GROUPS groups, all the block's tokens per run,
     so a run of weights and activations stays in L1 (the float accumulators carry over).
-    Up to Q8_FUSED_TOKENS tokens take _int8dot's fused kernels instead: FUSED_ROWS rows at a
+    Up to Q8_FUSED_TOKENS tokens (any number with ``passes``, in passes of that many:
+    FUSED_PASSES) take _int8dot's fused kernels instead: FUSED_ROWS rows at a
     time unpacked in registers and dotted with all the tokens, no scratch; for Q8_0 those read
     xq in the natural order (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in
     _int8dot's quad order (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's
@@ -431,11 +439,13 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
     ng = nb_pad // GROUP_BLOCKS
     if k == 0:
         return
-    if k <= Q8_FUSED_TOKENS:  # rows unpacked in registers, no scratch (same bits)
+    if k <= Q8_FUSED_TOKENS or passes:  # rows unpacked in registers, no scratch (same bits)
         per = _Q8_ROWS_PER_TASK  # a multiple of FUSED_ROWS
         for c in prange((n_out + per - 1) // per):
-            _fused_span(kind, raw, lut, xq, xcorr, dx, dxs, c * per, min(n_out, c * per + per),
-                        out)
+            for s in range(0, k, Q8_FUSED_TOKENS):  # (passes: FUSED_PASSES)
+                e = min(k, s + Q8_FUSED_TOKENS)
+                _fused_span(kind, raw, lut, xq[s:e], xcorr[s:e], dx[s:e], dxs[s:e], c * per,
+                            min(n_out, c * per + per), out[s:e])
         return
     n_pairs = (n_out + 1) // 2
     pairs = _Q8_ROWS_PER_TASK // 2
@@ -484,11 +494,16 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out):
                         out[t0 + t, r1] = v1
 
 
+def _passes(kind):
+    """Whether ``kind`` runs any number of tokens through its fused kernels (FUSED_PASSES)."""
+    return FUSED_PASSES and kind < KIND_IQ4_NL  # (not IQ4_NL, IQ2_XXS)
+
+
 def _act_layout_q8(kind, act):
     """(xq, xcorr, dx, dxs): the activations ``act`` as _matmul_q8 takes them for ``kind``,
     made once per layout and weight offset and kept on act (see QuantizedActivations)."""
     k, n = act.q.shape
-    fused = k <= Q8_FUSED_TOKENS
+    fused = k <= Q8_FUSED_TOKENS or _passes(kind)
     layout = ("natural" if fused and kind in FUSED_NATURAL else
               "quad" if fused and kind in FUSED_QUAD else
               "slots" if kind in FUSED_SLOTS else "group")
@@ -528,7 +543,7 @@ def matmul_q8_tiles(kind, raw, act, out):
     and the quantized activations act (Q8_0; Q8_K for IQ2_XXS, whose scale per 256 and sums
     of 16 are handed to the tiles per 32-block)."""
     xq, xcorr, dx, dxs = _act_layout_q8(kind, act)
-    _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out)
+    _matmul_q8(kind, raw, FP16_TO_FP32, xq, xcorr, dx, dxs, out, _passes(kind))
 
 
 @register
