@@ -1070,8 +1070,12 @@ def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
 NATURAL_FEW = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
 #: up to how many tokens, per kind (Zen 3, 1 and 2 threads, 2816x1024 / 1024x2816 from L3:
 #: 1.1-2.3x the group-layout kernels at k = 1; at k = 2 and 4 Q4_K's 0.86-0.92x, where its
-#: sums of 32 cost one reduction network per token, the others 1.0-1.6x)
-NATURAL_TOKENS = (4, 4, 1, 1, 4)
+#: sums of 32 cost one reduction network per token, the others 1.0-1.6x). Since the group
+#: kernels add int16 sums on AVX2 (_int8dot._dot_chunks) they win from 3 tokens on for Q2_K,
+#: Q3_K and Q6_K too (AVX2 code on the Xeon of docs/engine.md, 900M-parameter models streamed
+#: from memory, 2 threads, the natural kernels' time over theirs at k = 3 / 4: Q2_K 1.3 / 1.4,
+#: Q3_K 1.3 / 1.35, Q6_K 1.1-1.15 / 1.15-1.25; at k = 2 within 5% either way)
+NATURAL_TOKENS = (2, 2, 1, 1, 2)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
