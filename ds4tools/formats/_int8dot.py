@@ -198,6 +198,10 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
     ones add m * dxs instead."""
     v64i8, v16i32, v16f = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
     route = _route(context, small)
+    # the "avx2-sign" route (unsigned bytes u = q + 128: Q8_0, IQ4_NL, IQ2_XXS) dots the signed
+    # q = u ^ 0x80 as they are: the integers isum - xcorr (xcorr = 128 * sum(x)) in one go,
+    # without the 128 * sum(x) per chunk and token _dot_chunk would add back
+    signed = route == "avx2-sign"
     pairs = [(r, t) for r in range(len(rows)) for t in range(len(toks))]
     acc_ptrs = [builder.bitcast(builder.gep(accp, [_const(16 * i)]), v16f.as_pointer())
                 for i in range(len(pairs))]
@@ -211,7 +215,7 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
             uv = [_load(builder, r[0], off, v64i8) for r in rows]
             xv = [_load(builder, t[0], off, v64i8) for t in toks]
             for r, t in pairs:
-                if route == "avx2-sign":  # see below
+                if signed:
                     qv = builder.xor(uv[r], _splat(-128, _I8, 64))
                     isum[r, t] = builder.add(isum[r, t], _signed_dot_chunk(builder, qv, xv[t]))
                 else:
@@ -222,14 +226,10 @@ def _emit_dots(context, builder, rows, toks, accp, g0, g1, small, affine):
         if affine:
             ms = [_load(builder, r[2], gb, v16f, 4) for r in rows]
             dxss = [_load(builder, t[3], gb, v16f, 4) for t in toks]
-        else:
+        elif not signed:
             corr = [_load(builder, t[1], gb, v16i32, 4) for t in toks]
         out = []
         for (r, t), acc in zip(pairs, accs):
-            # the "avx2-sign" route (unsigned bytes u = q + 128: Q8_0, IQ4_NL, IQ2_XXS) dots the
-            # signed q = u ^ 0x80 as they are: the integers isum - corr (corr = 128 * sum(x)) in
-            # one go, without the 128 * sum(x) per chunk and token _dot_chunk would add back
-            signed = route == "avx2-sign"
             s = isum[r, t] if affine or signed else builder.sub(isum[r, t], corr[t])
             scale = builder.fmul(dws[r], dxs[t])
             acc = builder.fadd(acc, builder.fmul(builder.sitofp(s, v16f), scale))

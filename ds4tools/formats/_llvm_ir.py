@@ -105,6 +105,13 @@ def host_cpu_features():
     return host_features(cpu_target.target_context)
 
 
+def avx2_without_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX2 but not AVX-512 VNNI: the hosts where the
+    int8 kernels choose other shapes (the stored-order K kernels, fused passes)."""
+    features = host_cpu_features()
+    return "avx2" in features and "avx512vnni" not in features
+
+
 def intrinsic_fn(builder, name, ret, args):
     """The declaration of LLVM function ``name`` in the builder's module (added once)."""
     mod = builder.module

@@ -40,7 +40,7 @@ from ._int8dot import (DOT_K_4x1_AFF, DOT_K_4x1_PAIR, DOT_K_4x1_SYM, DOT_K_4x2_A
 from ._kquant_avx2 import (NATURAL_K1_Q2_K, NATURAL_K1_Q3_K, NATURAL_K1_Q4_K, NATURAL_K1_Q5_K,
                            NATURAL_K1_Q6_K, NATURAL_K2_Q2_K, NATURAL_K2_Q3_K, NATURAL_K2_Q4_K,
                            NATURAL_K2_Q5_K, NATURAL_K2_Q6_K)
-from ._llvm_ir import host_cpu_features
+from ._llvm_ir import avx2_without_vnni
 from .activations import quantize_q8_k_rows
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, put_fp16
 from ._search import (GROUP_MAX_EPS, LANE_WORK, SCRATCH, affine_search_groups, as_int8,
@@ -741,7 +741,7 @@ _QK_RUN_GROUPS = 16
 #: vpmaddubsw and their 4 x 2 blocks spill, and the 8-token kernels cost less per token (AVX2
 #: code on the Xeon of docs/engine.md, 2816x1024 from L3, 2 threads, k = 16 / 32: Q4_K 0.74 /
 #: 0.84x the tiles' time, Q6_K 0.80 / 0.96x). Each task's rows stay in L1 / L2 for its passes.
-FUSED_PASSES = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
+FUSED_PASSES = avx2_without_vnni()
 
 
 @njit(cache=True)
@@ -1067,7 +1067,7 @@ def _matmul_q8_k_natural(kind, raw, lut, x, d, sums, out):
 #: a few tokens take _kquant_avx2's kernels where the CPU has AVX2 but not AVX-512 VNNI (with
 #: VNNI the group layout costs one word permutation per chunk and one vpdpbusd per 64 bytes, and
 #: stays faster); tests switch it to compare both
-NATURAL_FEW = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
+NATURAL_FEW = avx2_without_vnni()
 #: up to how many tokens, per kind (Zen 3, 1 and 2 threads, 2816x1024 / 1024x2816 from L3:
 #: 1.1-2.3x the group-layout kernels at k = 1; at k = 2 and 4 Q4_K's 0.86-0.92x, where its
 #: sums of 32 cost one reduction network per token, the others 1.0-1.6x). Since the group

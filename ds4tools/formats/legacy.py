@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from .base import QuantFormat, register
 from ._block32 import QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, block_key_extrema
-from ._llvm_ir import f32_from_bits, host_cpu_features, store_le
+from ._llvm_ir import avx2_without_vnni, f32_from_bits, store_le
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
@@ -173,7 +173,7 @@ Q8_FUSED_TOKENS = 8
 #: from L3, 2 threads, k = 16 / 32, the passes' time over the tiles': Q8_0 0.69 / 0.68, Q4_0,
 #: Q4_1, Q5_0, Q5_1 0.76-0.84), but for IQ4_NL and IQ2_XXS (1.18 / 1.26 and 1.17 / 1.48: their
 #: fused kernels look their levels up per row), which keep the tiles
-FUSED_PASSES = "avx2" in host_cpu_features() and "avx512vnni" not in host_cpu_features()
+FUSED_PASSES = avx2_without_vnni()
 _Q8_RUN_GROUPS = 8  # groups (128 blocks, 4 KiB of a row) per run: see _matmul_q8
 _Q8_TOKEN_BLOCK = 32  # tokens per block: see _matmul_q8
 
