@@ -202,12 +202,17 @@ def _k_runner(name, vnni, avx2):
 @pytest.mark.parametrize("name", KQUANTS)
 def test_int8_integer_routes_bit_identical(name):
     """VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd) and the generic IR give the same bits as
-    the format's kernel, whatever the run length."""
+    the format's kernel, whatever the run length. The AVX2 tiles add the pair sums of several
+    chunks as int16 (_dot_chunks), so some weight rows and activation rows are +-1: quants and
+    Q8_K values at their ends, the tightest sums."""
     from ds4tools.formats import kquants
     from ds4tools.formats._numeric import FP16_TO_FP32
     n_in = 256 * 5
-    w, raw, x = _case(name, n_in, 21)
+    w, _, x = _case(name, n_in, 21)
+    w[::3] = np.sign(w[::3]) + (w[::3] == 0)
+    raw = formats.quantize(w, name)
     x = x[:7]
+    x[:2] = np.sign(x[:2]) + (x[:2] == 0)
     ref = formats.matmul(raw, name, w.shape, x, int8=True)
     kind = KQUANTS.index(name)
     act = quantize_activations(x, "Q8_K")
@@ -275,6 +280,31 @@ def test_int8_fused_k_kernels_avx2_route_bit_identical(name):
                                           err_msg=f"k={k}")
     finally:
         _int8dot.USE_VNNI, _int8dot.USE_AVX2 = saved
+
+
+@pytest.mark.parametrize("name", KQUANTS)
+def test_int8_tile_shapes_and_passes_bit_identical(name, monkeypatch):
+    """Every way a batch can run gives the same bits: passes through the fused kernels
+    (FUSED_PASSES, AVX2 hosts: up to TILES_FROM tokens), the tiles of 4 rows x 2 tokens and of
+    4 x 1 (TWO_TOKEN_TILES off, AVX2 hosts), over a batch past TILES_FROM and one token."""
+    from ds4tools.formats import kquants
+    w, raw, _ = _case(name, 512, 72)
+    x = np.random.default_rng(73).standard_normal((kquants.TILES_FROM + 3, 512)).astype(np.float32)
+    single = formats.matmul(raw, name, w.shape, x[5], int8=True)
+    got = []
+    for passes, two in ((False, True), (False, False), (True, True), (True, False)):
+        monkeypatch.setattr(kquants, "FUSED_PASSES", passes)
+        monkeypatch.setattr(kquants, "TWO_TOKEN_TILES", two)
+        for tiles_from in (kquants.TILES_FROM, 10**6):  # (passes for every k)
+            monkeypatch.setattr(kquants, "TILES_FROM", tiles_from)
+            got.append(formats.matmul(raw, name, w.shape, x, int8=True))
+            f = formats.FORMATS[name]
+            out = np.empty((x.shape[0], N_OUT), np.float32)  # and from activations quantized apart
+            f._cpu_matmul_q8(raw.reshape(N_OUT, -1), quantize_activations(x, "Q8_K"), out)
+            got.append(out)
+    for g in got:
+        np.testing.assert_array_equal(g.view(np.int32), got[0].view(np.int32))
+    np.testing.assert_array_equal(got[0][5].view(np.int32), single.view(np.int32))
 
 
 @pytest.mark.parametrize("name", KQUANTS)

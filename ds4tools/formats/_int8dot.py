@@ -1049,7 +1049,8 @@ DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
 # The tiles (DOT_K_RxT_*: R weight rows x T tokens, all loads shared) take per chunk one
 # unsigned x signed byte dot adding groups of 4 into 16 int32 lanes (_dot_chunk: vpdpbusd with
 # VNNI, vpmaddubsw + vpmaddwd on AVX2 - no saturation: |pair| <= 2 * 255 * 32 - generic IR
-# elsewhere), lane i = sub-block i's exact sum, then per lane and group:
+# elsewhere; on AVX2 the pair sums of several chunks added as int16 first, _dot_chunks), lane
+# i = sub-block i's exact sum, then per lane and group:
 #     acc = fma(float(isum), dw * dx, acc)   [affine: acc = fma(m, dxs, acc)]
 # (llvm.fma: one rounding on every target; dx is the activations' scale of the lane's
 # super-block),
@@ -1101,13 +1102,15 @@ def _emit_tile_k(context, builder, rows, toks, acc_ptrs, g0, g1, affine, paired=
         else:  # the dots start at -128 * sum(w): the same integers as subtracting it after
             corr = [_load(builder, r[3], gb, v16i32, 4) for r in rows]
             isum = {(r, t): corr[r] for r, t in pairs}
-        for c in range(n_chunks):
-            off = builder.add(base, _const(64 * c))
-            wv = [_load(builder, r[0], off, v64i8) for r in rows]
-            xv = [_load(builder, t[0], off, v64i8) for t in toks]
-            for r, t in pairs:  # the unsigned operand first
-                a, b = (wv[r], xv[t]) if affine else (xv[t], wv[r])
-                isum[r, t] = _dot_chunk(builder, isum[r, t], a, b, route)
+        offs = [builder.add(base, _const(64 * c)) for c in range(n_chunks)]
+        wv = [[_load(builder, r[0], off, v64i8) for off in offs] for r in rows]
+        xv = [[_load(builder, t[0], off, v64i8) for off in offs] for t in toks]
+        bound = max(b for kk, b in enumerate(K_PAIR_BOUND)
+                    if K_AFFINE[kk] == affine and K_PAIRED[kk] == paired)
+        for r, t in pairs:  # the unsigned operand first
+            isum[r, t] = _dot_chunks(builder, isum[r, t],
+                                     [(wv[r][c], xv[t][c]) if affine else (xv[t][c], wv[r][c])
+                                      for c in range(n_chunks)], route, bound)
         dws = [_load(builder, r[1], gb, v16f, 4) for r in rows]
         if paired:
             dxs = [_load(builder, t[1], gb, v16f, 4) for t in toks]

@@ -736,12 +736,27 @@ _QK_TOKEN_BLOCK = 32
 #: over blocks of 4 rows in L1; with AVX2 code 1.2-1.4x)
 _QK_FUSED_TOKENS = 8
 _QK_RUN_GROUPS = 16
-#: more tokens in passes of _QK_FUSED_TOKENS through the fused kernels instead of the tiles,
-#: where the CPU has AVX2 but not AVX-512 VNNI: there the tiles' int8 dots take a vpmaddwd per
-#: vpmaddubsw and their 4 x 2 blocks spill, and the 8-token kernels cost less per token (AVX2
-#: code on the Xeon of docs/engine.md, 2816x1024 from L3, 2 threads, k = 16 / 32: Q4_K 0.74 /
-#: 0.84x the tiles' time, Q6_K 0.80 / 0.96x). Each task's rows stay in L1 / L2 for its passes.
+#: more tokens (up to TILES_FROM) in passes of _QK_FUSED_TOKENS through the fused kernels
+#: instead of the tiles, where the CPU has AVX2 but not AVX-512 VNNI: there the 8-token kernels
+#: cost less per token than the tiles for batches of a few blocks (AVX2 code on the Xeon of
+#: docs/engine.md, 2816x1024 from L3, 2 threads, k = 16 / 32: Q4_K 0.83 / 0.94x the 4 x 2
+#: tiles' time, Q6_K 0.84 / 0.94x). Each task's rows stay in L1 / L2 for its passes.
 FUSED_PASSES = avx2_without_vnni()
+#: up to this many tokens (a prefill's batches take more): from there the tiles, unpacked once
+#: for all the tokens, cost less per token than the 8-token kernels' unpacking per pass (AVX2
+#: code, 2816x1024 from L3, 2 threads, the 4 x 1 tiles' time over the passes' at k = 32 / 64 /
+#: 256: Q4_K 0.96 / 0.84 / 0.80, Q5_K 0.91 / 0.80 / 0.70, Q6_K 0.96 / 0.87 / 0.83, Q3_K
+#: 1.06 / 0.97 / 0.89, Q2_K 1.07 / 0.95 / 0.94)
+TILES_FROM = 64
+#: whether the K tiles take two tokens at once (4 rows x 2 tokens): not where FUSED_PASSES
+#: holds, as 8 accumulators of 16 lanes fill AVX2's 16 registers and spill (4 x 1 tiles at
+#: k = 256: 0.84-0.91x the time of 4 x 2 over the five K-quants)
+TWO_TOKEN_TILES = not FUSED_PASSES
+
+
+def _passes(k: int) -> bool:
+    """Whether k tokens run in passes through the fused kernels (FUSED_PASSES)."""
+    return FUSED_PASSES and k < TILES_FROM
 
 
 @njit(cache=True)
@@ -1079,11 +1094,11 @@ NATURAL_TOKENS = (2, 2, 1, 1, 2)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes):
+def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes, two):
     """out[t, r] = the int8-activation dot of K-quant weight row r and activation row t (from
     _layout_k): fused for k <= _QK_FUSED_TOKENS (and with ``passes`` for any k, in passes of
     that many tokens: FUSED_PASSES), else _int8dot's K tiles on blocks of ``tb`` tokens,
-    ``run`` super-blocks at a time (see above)."""
+    ``run`` super-blocks at a time (see above), of two tokens at once if ``two``."""
     n_out = raw.shape[0]
     k, n_in = xq.shape  # the activation layout: pairs for Q4_K, Q5_K tiles (fused: groups)
     ts = TYPE_SIZE[kind]
@@ -1123,20 +1138,21 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes):
                 acc[:R * kb, :] = 0
                 for g0 in range(0, n_groups, run):
                     g1 = min(n_groups, g0 + run)
-                    for t in range(0, kb - 1, 2):
+                    n_two = kb // 2 if two else 0
+                    for t in range(0, 2 * n_two, 2):
                         if paired:
                             DOT_K_4x2_PAIR(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
                         elif affine:
                             DOT_K_4x2_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
                         else:
                             DOT_K_4x2_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
-                    if kb % 2:
+                    for t in range(2 * n_two, kb):
                         if paired:
-                            DOT_K_4x1_PAIR(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                            DOT_K_4x1_PAIR(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
                         elif affine:
-                            DOT_K_4x1_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                            DOT_K_4x1_AFF(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
                         else:
-                            DOT_K_4x1_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, kb - 1)
+                            DOT_K_4x1_SYM(w, dw, m, corr, xb, dxb, dxsb, acc, g0, g1, t)
                 t = 0
                 if r0 + R <= n_out:  # whole tiles: 4 tokens x 4 rows reduced at once
                     for t in range(0, kb - 3, 4):
@@ -1153,12 +1169,12 @@ def _act_layout_k(kind, act):
     k = act.q.shape[0]
     if K_PAIRED[kind]:
         # the fused kernels read x in the group layout
-        key = ("k-pair", k <= _QK_FUSED_TOKENS or FUSED_PASSES)
+        key = ("k-pair", k <= _QK_FUSED_TOKENS or _passes(k))
     else:
         key = ("k", bool(K_AFFINE[kind]))
     got = act.layouts.get(key)
     if got is None:
-        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums, FUSED_PASSES)
+        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums, _passes(k))
     return got
 
 
@@ -1184,12 +1200,12 @@ def _layout_k(kind, q, d, sums, passes):
 
 
 @njit(cache=True)
-def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb, passes):
+def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb, passes, two):
     # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
     # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
     q, d, sums = quantize_q8_k_rows(x)
     xq, dx, dxs = _layout_k(kind, q, d, sums, passes)
-    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes)
+    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes, two)
 
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
@@ -1199,7 +1215,7 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
         return
     xq, dx, dxs = _act_layout_k(kind, act)
     _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
-                  FUSED_PASSES)
+                  _passes(k), TWO_TOKEN_TILES)
 
 
 class _KQuant(QuantFormat):
@@ -1244,7 +1260,7 @@ class _KQuant(QuantFormat):
             if x.shape[1] % QK_K:
                 raise ValueError(f"row length {x.shape[1]} is not a multiple of Q8_K's block of {QK_K}")
             _matmul_f32_via_q8_k(kind, raw, FP16_TO_FP32, x, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
-                                 FUSED_PASSES)
+                                 _passes(k), TWO_TOKEN_TILES)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k
