@@ -722,7 +722,8 @@ def _matmul(kind, raw, lut, x, out):
 #   up to 4 tokens at once, no scratch (5 to 8 tokens: the 8-token kernels).
 # * k >= 9: 4 rows at a time are unpacked whole into a task's scratch (once for all the tokens),
 #   then the tokens go in blocks of _QK_TOKEN_BLOCK (their 16-lane accumulators stay in L1) and
-#   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token) run over each block one run of
+#   the K tiles (4 rows x 2 tokens, 4 x 1 for an odd last token; 4 x 1 for every token where
+#   TWO_TOKEN_TILES is off) run over each block one run of
 #   _QK_RUN_GROUPS super-blocks at a time (the run's unpacked weights stay in L1; half as many
 #   pair groups).
 # Rows go in fours (the last row repeated to fill a tile; its copies are not written).
