@@ -247,6 +247,26 @@ def _iq2_prepared(raw, x):
 ROUTES = [(True, True, True), (True, True, False), (False, True, True), (False, False, False)]
 
 
+def _slot_positions():
+    # byte of value j of block i within a group of 512: (slot order, group layout)
+    i, j = np.meshgrid(np.arange(16), np.arange(32), indexing="ij")
+    return (64 * (j % 8) + 4 * i + j // 8).ravel(), (64 * (j // 4) + 4 * i + j % 4).ravel()
+
+
+def _slot_to_group(u):
+    slot, group = _slot_positions()
+    out = np.empty_like(u).reshape(u.shape[0], -1, 512)
+    out[:, :, group] = u.reshape(u.shape[0], -1, 512)[:, :, slot]
+    return out.reshape(u.shape)
+
+
+def _group_to_slot(u):
+    slot, group = _slot_positions()
+    out = np.empty_like(u).reshape(u.shape[0], -1, 512)
+    out[:, :, slot] = u.reshape(u.shape[0], -1, 512)[:, :, group]
+    return out.reshape(u.shape)
+
+
 @pytest.mark.parametrize("vnni,avx2,vbmi", ROUTES)
 def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
     # fresh (uncached) wrappers compiled with the VNNI / AVX2 dot routes and IQ2_XXS's VBMI
@@ -256,7 +276,6 @@ def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
     raw = _iq2_raw(n_out, n_in, 4)
     x = np.random.default_rng(5).standard_normal((3, n_in)).astype(np.float32)
     ref = formats.matmul(raw, "IQ2_XXS", (n_out, n_in), x, int8=True)  # k = 3: tiles, cached
-    p1, p2 = _iq2_prepared(raw, x[:1]), _iq2_prepared(raw, x[1:])
     ng = -(-n_in // 512)
     u0 = np.zeros((n_out, 512 * ng), np.uint8)
     dw0 = np.zeros((n_out, 16 * ng), np.float32)
@@ -264,9 +283,15 @@ def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
     m = np.zeros(16 * ng, np.float32)
     for r in range(n_out):
         legacy._unpack_row_q8(_int8dot.KIND_IQ2_XXS, raw[r], FP16_TO_FP32, u0[r], dw0[r], m, tail)
+    host_order = _int8dot.iq2_xxs_slot_order()
     monkeypatch.setattr(_int8dot, "USE_VNNI", vnni)
     monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
     monkeypatch.setattr(_int8dot, "USE_VBMI", vbmi)
+    # the route's order (the slot order only with VBMI and GFNI): the activations follow it
+    route_order = _int8dot.iq2_xxs_slot_order()
+    p1, p2 = _iq2_prepared(raw, x[:1]), _iq2_prepared(raw, x[1:])
+    if host_order != route_order:  # the cached unpacker's bytes in the route's order
+        u0 = _slot_to_group(u0) if host_order else _group_to_slot(u0)
     one, two, unpack = _int8dot.FUSED1_IQ2_XXS, _int8dot.FUSED2_IQ2_XXS, _int8dot.UNPACK_IQ2_XXS
     R = _int8dot.FUSED_ROWS
 

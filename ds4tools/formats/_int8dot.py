@@ -38,8 +38,8 @@ from numba.extending import intrinsic
 
 from ._llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
                        as_i64 as _as_i64, const as _const, host_features,
-                       intrinsic_fn as _intrinsic_fn, load as _load, loop as _loop, mask as _mask,
-                       pick as _pick,
+                       host_cpu_features, intrinsic_fn as _intrinsic_fn, load as _load,
+                       loop as _loop, mask as _mask, pick as _pick,
                        lookup16, row_ptr as _row_ptr, splat, splat_const as _splat,
                        vconst as _vconst)
 
@@ -565,7 +565,7 @@ def _emit_nibbles_quad(context, builder, route, kind, rp, lutp, g, nvalid, xv):
 FUSED_NATURAL = (4,)
 FUSED_QUAD = (0, 1, 5)
 #: ... in the slot order (IQ2_XXS; see _emit_iq2_xxs_slots): value 8b + v of block 16g + i at
-#: byte 512g + 64v + 4i + b
+#: byte 512g + 64v + 4i + b, where iq2_xxs_slot_order() (else in the group layout)
 FUSED_SLOTS = (KIND_IQ2_XXS,)
 
 
@@ -736,17 +736,34 @@ FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0, FUSED8_IQ4_NL =
 # --- IQ2_XXS: a group is two super-blocks (16 blocks of 32, 132 raw bytes) ----------------------
 # Block 8s + b of a group is block b of super-block s: its grid word (4 indices, slot l = values
 # 8l..8l+7) and its sign word (4 x 7 sign bits, the 4-bit scale s in bits 28..31). IQ2_XXS's
-# weights and activations use the slot order instead of the group layout (FUSED_SLOTS; the
-# tiles only need the two to agree and lane i to be block i): chunk v holds value v of each of
-# a block's 4 slots, value 8b + v of block i at byte 64v + 4i + b. The unpacker (for the tiles)
-# and the fused k <= 2 kernels take the bytes u = level * sign + 128 from _emit_iq2_xxs_slots:
-# with AVX-512 VBMI and GFNI a handful of byte-table lookups per group and one vpermb per chunk,
-# elsewhere gathers of the 8-byte grid points (_emit_iq2_xxs_group) and byte shuffles. The
-# scale is d * (2s + 1) / 8 per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
+# weights and activations use the slot order instead of the group layout with AVX-512 VBMI and
+# GFNI (FUSED_SLOTS, iq2_xxs_slot_order(); the tiles only need the two to agree and lane i to be
+# block i): chunk v holds value v of each of a block's 4 slots, value 8b + v of block i at byte
+# 64v + 4i + b. The unpacker (for the tiles) and the fused k <= 2 kernels take the bytes
+# u = level * sign + 128 from _emit_iq2_xxs_slots: there a handful of byte-table lookups per
+# group and one vpermb per chunk; elsewhere gathers of the 8-byte grid points in the group
+# layout (_emit_iq2_xxs_group), which the activations then take too: rebuilding the slot order
+# from it took byte shuffles that cost AVX2 more than the gathers. The scale is d * (2s + 1) / 8
+# per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
 
 #: set to False to leave out IQ2_XXS's VBMI + GFNI route (and its vpermps scale table; tests
 #: compare the routes)
 USE_VBMI = True
+
+
+def _slot_order(features) -> bool:
+    return USE_VBMI and {"avx512vbmi", "gfni"} <= features
+
+
+_HOST_FEATURES = []  # host_cpu_features(), once
+
+
+def iq2_xxs_slot_order() -> bool:
+    """Whether IQ2_XXS's kernels (and so its activations) use the slot order on this host,
+    else the group layout (see above)."""
+    if not _HOST_FEATURES:
+        _HOST_FEATURES.append(host_cpu_features())
+    return _slot_order(_HOST_FEATURES[0])
 _IQ2_LEVEL = {8: 0, 25: 1, 43: 2}
 #: per grid point its 16-bit code, bits 2j..2j+1 the level (0, 1, 2: magnitude 8, 25, 43) of
 #: value j
@@ -872,22 +889,10 @@ def _emit_iq2_xxs_slots(context, builder, rp, lutp, g, nvalid=None):
     2k and 2k + 1 at bits 2 and 5. Merged (vpternlogd; a vgf2p8affineqb moves the second pair
     of levels down), byte k of a (block, slot) holds level and sign of values 2k and 2k + 1 at
     bits 0-2 and 3-5, so a chunk is one vpermb of a 64-entry table (u by those 6 bits). Other
-    hosts: the group layout's chunks, reordered by byte shuffles."""
+    hosts: the group layout's chunks (_emit_iq2_xxs_group; iq2_xxs_slot_order() is false)."""
     v64i8 = ir.VectorType(_I8, 64)
-    feats = host_features(context)
-    if not (USE_VBMI and {"avx512vbmi", "gfni"} <= feats):
-        chunks, dw = _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid)
-        out = []
-        for v in range(8):
-            src = [chunks[2 * b + v // 4] for b in range(4)]
-            pick = [4 * (j // 4) + v % 4 for j in range(64)]  # byte 4i + b <- 4i + v % 4 of src[b]
-            lo = builder.shuffle_vector(src[0], src[1], _mask(  # right for b = 0, 1
-                [pick[j] + 64 * (j % 4) if j % 4 < 2 else 0 for j in range(64)]))
-            hi = builder.shuffle_vector(src[2], src[3], _mask(
-                [pick[j] + 64 * (j % 4 - 2) if j % 4 >= 2 else 0 for j in range(64)]))
-            out.append(builder.shuffle_vector(lo, hi, _mask(
-                [j if j % 4 < 2 else 64 + j for j in range(64)])))
-        return out, dw
+    if not _slot_order(host_features(context)):
+        return _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid)
     q0, q1, dw = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
     halves, signs, values = _IQ2_SLOT_TABLES
     perm2 = _intrinsic_fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64i8, [v64i8] * 3)
@@ -926,7 +931,8 @@ def _emit_iq2_xxs_slots(context, builder, rp, lutp, g, nvalid=None):
 @intrinsic
 def UNPACK_IQ2_XXS(typingctx, rr, lut, u, dw, m, ngroups):
     """Groups 0..ngroups-1 of one raw IQ2_XXS row rr (uint8; a group is two super-blocks, 132
-    bytes) -> u (uint8) in the slot order (FUSED_SLOTS, as the activations are handed over):
+    bytes) -> u (uint8) in the slot order where iq2_xxs_slot_order(), else the group layout
+    (as the activations are handed over):
     the signed levels grid * sign + 128, and dw[b] = d * (2s + 1) / 8 per 32-block (exact:
     ggml's d * (0.5 + s) * 0.25; its final 1/8 folded in). m is not touched. No bounds
     checks. See _emit_iq2_xxs_slots."""

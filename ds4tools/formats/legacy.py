@@ -31,7 +31,7 @@ from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE
                        FUSED3_Q8_0, FUSED4_IQ2_XXS, FUSED4_IQ4_NL, FUSED4_Q4_0, FUSED4_Q4_1,
                        FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED8_IQ2_XXS, FUSED8_IQ4_NL,
                        FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0,
-                       FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
+                       FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS, iq2_xxs_slot_order,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
                        UNPACK_Q8_0, WEIGHT_OFFSET)
@@ -506,7 +506,7 @@ def _act_layout_q8(kind, act):
     fused = k <= Q8_FUSED_TOKENS or _passes(kind)
     layout = ("natural" if fused and kind in FUSED_NATURAL else
               "quad" if fused and kind in FUSED_QUAD else
-              "slots" if kind in FUSED_SLOTS else "group")
+              "slots" if kind in FUSED_SLOTS and iq2_xxs_slot_order() else "group")
     key = ("q8", layout, WEIGHT_OFFSET[kind])
     got = act.layouts.get(key)
     if got is not None:
