@@ -764,6 +764,8 @@ def iq2_xxs_slot_order() -> bool:
     if not _HOST_FEATURES:
         _HOST_FEATURES.append(host_cpu_features())
     return _slot_order(_HOST_FEATURES[0])
+
+
 _IQ2_LEVEL = {8: 0, 25: 1, 43: 2}
 #: per grid point its 16-bit code, bits 2j..2j+1 the level (0, 1, 2: magnitude 8, 25, 43) of
 #: value j
