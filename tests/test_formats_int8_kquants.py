@@ -273,7 +273,7 @@ def test_int8_fused_k_kernels_avx2_route_bit_identical(name):
     try:
         for t0, k in ((0, 8), (8, 4)):
             xq, dx, dxs = kquants._layout_k(kind, act.q[t0:t0 + k], act.d[t0:t0 + k],
-                                            act.sums[t0:t0 + k], False)
+                                            act.sums[t0:t0 + k], True)
             got = np.empty((k, N_OUT), np.float32)
             runner(getattr(_int8dot, f"FUSED_K{k}_{name}"), k)(raw, xq, dx, dxs, got)
             np.testing.assert_array_equal(got.view(np.int32), ref[t0:t0 + k].view(np.int32),

@@ -755,15 +755,10 @@ def _slot_order(features) -> bool:
     return USE_VBMI and {"avx512vbmi", "gfni"} <= features
 
 
-_HOST_FEATURES = []  # host_cpu_features(), once
-
-
 def iq2_xxs_slot_order() -> bool:
     """Whether IQ2_XXS's kernels (and so its activations) use the slot order on this host,
     else the group layout (see above)."""
-    if not _HOST_FEATURES:
-        _HOST_FEATURES.append(host_cpu_features())
-    return _slot_order(_HOST_FEATURES[0])
+    return _slot_order(host_cpu_features())
 
 
 _IQ2_LEVEL = {8: 0, 25: 1, 43: 2}

@@ -12,6 +12,8 @@ numba's on-disk cache (``cache=True``) checks only the source file of the kernel
 intrinsic, not the module that generates it: after editing this module, ``_int8dot``, ``_simd``
 or ``_block32``, delete ``ds4tools/formats/__pycache__`` or the old machine code keeps running.
 """
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -99,8 +101,10 @@ def host_features(context):
     return frozenset(f[1:] for f in feats if f.startswith("+"))
 
 
+@functools.cache
 def host_cpu_features():
-    """host_features of numba's CPU target, outside a compilation (for dispatch in Python)."""
+    """host_features of numba's CPU target, outside a compilation (for dispatch in Python;
+    asked once: the target does not change within a process)."""
     from numba.core.registry import cpu_target
     return host_features(cpu_target.target_context)
 

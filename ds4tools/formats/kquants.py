@@ -755,9 +755,10 @@ TILES_FROM = 64
 TWO_TOKEN_TILES = not FUSED_PASSES
 
 
-def _passes(k: int) -> bool:
-    """Whether k tokens run in passes through the fused kernels (FUSED_PASSES)."""
-    return FUSED_PASSES and k < TILES_FROM
+def _fused(k: int) -> bool:
+    """Whether k tokens go through the fused kernels (up to _QK_FUSED_TOKENS; more in passes
+    of that many where FUSED_PASSES holds, below TILES_FROM), else through the tiles."""
+    return k <= _QK_FUSED_TOKENS or (FUSED_PASSES and k < TILES_FROM)
 
 
 @njit(cache=True)
@@ -1095,11 +1096,11 @@ NATURAL_TOKENS = (2, 2, 1, 1, 2)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes, two):
+def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, fused, two):
     """out[t, r] = the int8-activation dot of K-quant weight row r and activation row t (from
-    _layout_k): fused for k <= _QK_FUSED_TOKENS (and with ``passes`` for any k, in passes of
-    that many tokens: FUSED_PASSES), else _int8dot's K tiles on blocks of ``tb`` tokens,
-    ``run`` super-blocks at a time (see above), of two tokens at once if ``two``."""
+    _layout_k): with ``fused`` (_fused(k)) by the fused kernels, in passes of _QK_FUSED_TOKENS
+    tokens, else by _int8dot's K tiles on blocks of ``tb`` tokens, ``run`` super-blocks at a
+    time (see above), of two tokens at once if ``two``."""
     n_out = raw.shape[0]
     k, n_in = xq.shape  # the activation layout: pairs for Q4_K, Q5_K tiles (fused: groups)
     ts = TYPE_SIZE[kind]
@@ -1114,7 +1115,7 @@ def _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes, two):
     per_task = _QK_ROWS_PER_TASK // R
     if k == 0:
         return
-    if k <= _QK_FUSED_TOKENS or passes:  # rows unpacked in registers, no scratch (same bits)
+    if fused:  # rows unpacked in registers, no scratch (same bits)
         per = _QK_ROWS_PER_TASK  # a multiple of K_FUSED_ROWS and K_SHORT_ROWS
         for c in prange((n_out + per - 1) // per):
             for s in range(0, k, _QK_FUSED_TOKENS):
@@ -1169,24 +1170,22 @@ def _act_layout_k(kind, act):
     made once per layout and kept on act (see QuantizedActivations)."""
     k = act.q.shape[0]
     if K_PAIRED[kind]:
-        # the fused kernels read x in the group layout
-        key = ("k-pair", k <= _QK_FUSED_TOKENS or _passes(k))
+        key = ("k-pair", _fused(k))  # the fused kernels read x in the group layout
     else:
         key = ("k", bool(K_AFFINE[kind]))
     got = act.layouts.get(key)
     if got is None:
-        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums, _passes(k))
+        got = act.layouts[key] = _layout_k(kind, act.q, act.d, act.sums, _fused(k))
     return got
 
 
 @njit(cache=True)
-def _layout_k(kind, q, d, sums, passes):
-    # (xq, dx, dxs): Q8_K activations in the layout _matmul_q8_kg takes for ``kind`` (the group
-    # layout for Q4_K / Q5_K up to _QK_FUSED_TOKENS rows, or any with ``passes``, which the fused
-    # kernels read)
+def _layout_k(kind, q, d, sums, fused):
+    # (xq, dx, dxs): Q8_K activations in the layout _matmul_q8_kg takes for ``kind`` (for Q4_K /
+    # Q5_K the group layout if ``fused``, which the fused kernels read, else the pair layout)
     k, n = q.shape
     if K_PAIRED[kind]:
-        grouped = k <= _QK_FUSED_TOKENS or passes
+        grouped = fused
         n_pairs = (n // QK_K + 1) // 2
         xq = np.empty((k, n if grouped else KPAIR_BYTES * n_pairs), np.uint8)
         dx = np.empty((k, 16 * n_pairs), np.float32)
@@ -1201,12 +1200,12 @@ def _layout_k(kind, q, d, sums, passes):
 
 
 @njit(cache=True)
-def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb, passes, two):
+def _matmul_f32_via_q8_k(kind, raw, lut, x, out, run, tb, fused, two):
     # _cpu_matmul_q8_k(kind, raw, quantize_activations(x, "Q8_K"), out) in one compiled call
     # (a decode step's matmul: one dispatch instead of four): the same kernels, the same bits
     q, d, sums = quantize_q8_k_rows(x)
-    xq, dx, dxs = _layout_k(kind, q, d, sums, passes)
-    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, passes, two)
+    xq, dx, dxs = _layout_k(kind, q, d, sums, fused)
+    _matmul_q8_kg(kind, raw, lut, xq, dx, dxs, out, run, tb, fused, two)
 
 
 def _cpu_matmul_q8_k(kind, raw, act, out):
@@ -1216,7 +1215,7 @@ def _cpu_matmul_q8_k(kind, raw, act, out):
         return
     xq, dx, dxs = _act_layout_k(kind, act)
     _matmul_q8_kg(kind, raw, FP16_TO_FP32, xq, dx, dxs, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
-                  _passes(k), TWO_TOKEN_TILES)
+                  _fused(k), TWO_TOKEN_TILES)
 
 
 class _KQuant(QuantFormat):
@@ -1261,7 +1260,7 @@ class _KQuant(QuantFormat):
             if x.shape[1] % QK_K:
                 raise ValueError(f"row length {x.shape[1]} is not a multiple of Q8_K's block of {QK_K}")
             _matmul_f32_via_q8_k(kind, raw, FP16_TO_FP32, x, out, _QK_RUN_GROUPS, _QK_TOKEN_BLOCK,
-                                 _passes(k), TWO_TOKEN_TILES)
+                                 _fused(k), TWO_TOKEN_TILES)
 
     def _cuda_quantize(self, x, imatrix):
         from .cuda import kquants as k
