@@ -7,6 +7,7 @@ cache types, after truncate + re-decode, and after snapshot / restore.
 """
 import numpy as np
 import pytest
+from numba import njit
 
 from ds4tools import formats
 from ds4tools.engine import Engine, KVCache
@@ -204,6 +205,41 @@ def test_attention_row_bits_do_not_depend_on_the_batch(hd, group, f16):
                 dirty_v[:, lim.max():] = np.inf
                 np.testing.assert_array_equal(_attention(q[t0:t0 + step].copy(), dirty_k, dirty_v, lim.copy()),
                                               full[t0:t0 + step])
+
+
+@pytest.mark.parametrize("hd", [64, 80, 128])
+def test_attention_register_shapes_give_the_same_bits(hd, monkeypatch):
+    # the scores and value sums compiled fresh (uncached) with AVX-512's register shapes (where
+    # this host has them) and with AVX2's (keys in runs, one output vector per pass): each
+    # lane's sum runs in the same order, so the bits must agree
+    rng = np.random.default_rng(7)
+    n_keys, n_blk = 40, 3  # 3 blocks of 16 keys (the last one ragged for the values)
+    q = rng.standard_normal(2 * hd).astype(np.float32)
+    keys = rng.standard_normal(n_blk * 16 * hd).astype(np.float32)
+    p = rng.standard_normal(2 * 48).astype(np.float32)
+
+    def run():
+        qk1, qk2, pv1, pv2 = kernels._qk_rows1, kernels._qk_rows2, kernels._pv1, kernels._pv2
+
+        @njit
+        def go(q, keys, p, s, acc):
+            qk1(q, 0, keys, 0, 3, hd, np.float32(0.3), s, 0, 48)
+            qk2(q, 0, keys, 0, 3, hd, np.float32(0.3), s, 96, 48)
+            pv1(p, 0, 48, keys, 0, 0, n_keys, hd, acc, 0, True)
+            pv2(p, 0, 48, keys, 0, 0, n_keys - 1, hd, acc, 2 * hd, True)
+            pv2(p, 0, 48, keys, 0, 8, n_keys, hd, acc, 2 * hd, False)
+        s = np.zeros(4 * 48, np.float32)
+        acc = np.zeros(6 * hd, np.float32)
+        go(q, keys, p, s, acc)
+        return s, acc
+
+    monkeypatch.setattr(kernels, "WIDE_SHAPES", True)
+    wide = run()
+    monkeypatch.setattr(kernels, "WIDE_SHAPES", False)
+    narrow = run()
+    np.testing.assert_array_equal(wide[0], narrow[0])
+    np.testing.assert_array_equal(wide[1], narrow[1])
+    assert np.isfinite(wide[1]).all() and np.abs(wide[0]).sum() > 0
 
 
 @pytest.mark.parametrize("k", [1, 20])

@@ -19,8 +19,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ..formats._llvm_ir import (F32, I32, const, data_ptr, intrinsic_fn, load, loop, mask,
-                                splat, store, tree_sum_f32, vec)
+from ..formats._llvm_ir import (F32, I32, const, data_ptr, host_features, intrinsic_fn, load,
+                                loop, mask, splat, store, tree_sum_f32, vec)
 from ..formats.floats import f32_bits_to_f16
 
 NEG_INF = np.float32(-np.inf)
@@ -366,6 +366,24 @@ def _tree_pair(builder, a, b, levels):
                         builder.shuffle_vector(a, b, mask(levels[1])))
 
 
+# The few-row kernels' register shapes: nq queries x 8 keys of 16-lane accumulators in _qk_rows,
+# nq queries x 2 key parities x 4 output vectors in _pv, fit AVX-512's 32 registers of 16 lanes
+# but spill AVX2's 16 of 8. There the keys go 4 // nq per pass and the output vectors one per
+# pass (AVX2 code, 16 heads over 8 kv heads, 24 layers x 513 keys in cache, time over the
+# AVX-512 shapes' at k = 1 / 4 / 8: 0.85 / 0.8 / 0.75).
+#: set to False to compile the AVX2 shapes on any host (tests compare the two: the same bits)
+WIDE_SHAPES = True
+
+
+def _wide_registers(context):
+    return WIDE_SHAPES and "avx512f" in host_features(context)
+
+
+def _qk_run(context, nq):
+    """Keys per pass over the head's chunks in _qk_rows (see above)."""
+    return 8 if _wide_registers(context) else 4 // nq
+
+
 def _make_qk_rows(nq):
     @intrinsic
     def qk_rows(typingctx, q, qo, keys, ko, nblk, hd, scale, s, so, sstride):
@@ -389,17 +407,28 @@ def _make_qk_rows(nq):
                 # finishes the tree with the even one before it (carried)
                 k0 = builder.add(ko_, builder.mul(hb, builder.mul(hd_, const(8))))
 
-                def chunk(c, accs):
-                    col = builder.mul(c, const(16))
-                    qv = [load(builder, pq, _ix(builder, qo_, (hd_, r), col), _V16)
-                          for r in range(nq)]
-                    out = list(accs)
-                    for u in range(8):
-                        kv = load(builder, pk, _ix(builder, k0, (hd_, u), col), _V16)
-                        for r in range(nq):
-                            out[8 * r + u] = _fma16(builder, qv[r], kv, out[8 * r + u])
-                    return out
-                accs = loop(builder, nc, [(_V16, _vf(0.0))] * (8 * nq), chunk, "qkc")
+                def chunk(u0, n_keys):
+                    def body(c, accs):
+                        col = builder.mul(c, const(16))
+                        qv = [load(builder, pq, _ix(builder, qo_, (hd_, r), col), _V16)
+                              for r in range(nq)]
+                        out = list(accs)
+                        for u in range(n_keys):
+                            kv = load(builder, pk, _ix(builder, k0, (hd_, u0 + u), col), _V16)
+                            for r in range(nq):
+                                out[n_keys * r + u] = _fma16(builder, qv[r], kv,
+                                                             out[n_keys * r + u])
+                        return out
+                    return body
+                # keys in runs whose accumulators fit the registers (every key's lanes sum
+                # over the chunks in the same order whatever the run: the same bits)
+                run = _qk_run(context, nq)
+                accs = [None] * (8 * nq)
+                for u0 in range(0, 8, run):
+                    part = loop(builder, nc, [(_V16, _vf(0.0))] * (run * nq), chunk(u0, run),
+                                "qkc")
+                    for r in range(nq):
+                        accs[8 * r + u0:8 * r + u0 + run] = part[run * r:run * r + run]
                 red = []
                 for r in range(nq):
                     a = accs[8 * r:8 * r + 8]
@@ -572,6 +601,13 @@ def _make_softmax(nq):
 _softmax1, _softmax2 = _make_softmax(1), _make_softmax(2)
 
 
+def _pv_width(context):
+    """Output vectors of 16 lanes per pass over the keys: 4 with AVX-512's 32 registers; one
+    where there are 16 of 8 lanes (AVX2), as 2 queries x 2 parities x 4 vectors of accumulators
+    spill them. Each lane adds its keys in the same order whatever the width: the same bits."""
+    return 4 if _wide_registers(context) else 1
+
+
 def _make_pv(nq):
     @intrinsic
     def pv(typingctx, p, po, pstride, values, vo, j0, j1, hd, acc, ao, first):
@@ -626,12 +662,14 @@ def _make_pv(nq):
                 for v, o in zip(fin, offs):
                     store(builder, v, pa, o)
 
-            nfull = builder.udiv(nc, const(4))
-            loop(builder, nfull, [], lambda ci, st: columns(4, _ix(builder, (ci, 64))) or [], "pvc")
-            rest = builder.urem(nc, const(4))
-            for width in (1, 2, 3):
+            W = _pv_width(context)
+            nfull = builder.udiv(nc, const(W))
+            loop(builder, nfull, [], lambda ci, st: columns(W, _ix(builder, (ci, 16 * W))) or [],
+                 "pvc")
+            rest = builder.urem(nc, const(W))
+            for width in range(1, W):
                 with builder.if_then(builder.icmp_signed("==", rest, const(width))):
-                    columns(width, builder.mul(nfull, const(64)))
+                    columns(width, builder.mul(nfull, const(16 * W)))
             return context.get_dummy_value()
         return sig, codegen
     return pv
