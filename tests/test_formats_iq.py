@@ -244,7 +244,10 @@ def _iq2_prepared(raw, x):
     return got["a"]
 
 
-ROUTES = [(True, True, True), (True, True, False), (False, True, True), (False, False, False)]
+# (VNNI, AVX2, VBMI + GFNI, gathers of grid points): where this host has them; the last but one
+# is an AVX2 host's route (no VNNI, no VBMI, grid points loaded one by one)
+ROUTES = [(True, True, True, True), (True, True, False, True), (False, True, True, True),
+          (False, True, False, False), (False, False, False, True)]
 
 
 def _slot_positions():
@@ -267,8 +270,8 @@ def _group_to_slot(u):
     return out.reshape(u.shape)
 
 
-@pytest.mark.parametrize("vnni,avx2,vbmi", ROUTES)
-def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
+@pytest.mark.parametrize("vnni,avx2,vbmi,gather", ROUTES)
+def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, gather, monkeypatch):
     # fresh (uncached) wrappers compiled with the VNNI / AVX2 dot routes and IQ2_XXS's VBMI
     # unpacking allowed or not (where this host has them; else they compile the portable IR):
     # the fused kernels and the unpacker must give the tiles' bits on every route
@@ -287,6 +290,7 @@ def test_iq2_xxs_routes_give_the_same_bits(vnni, avx2, vbmi, monkeypatch):
     monkeypatch.setattr(_int8dot, "USE_VNNI", vnni)
     monkeypatch.setattr(_int8dot, "USE_AVX2", avx2)
     monkeypatch.setattr(_int8dot, "USE_VBMI", vbmi)
+    monkeypatch.setattr(_int8dot, "USE_GATHER", gather)
     # the route's order (the slot order only with VBMI and GFNI): the activations follow it
     route_order = _int8dot.iq2_xxs_slot_order()
     p1, p2 = _iq2_prepared(raw, x[:1]), _iq2_prepared(raw, x[1:])

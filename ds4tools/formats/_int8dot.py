@@ -741,14 +741,18 @@ FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0, FUSED8_IQ4_NL =
 # block i): chunk v holds value v of each of a block's 4 slots, value 8b + v of block i at byte
 # 64v + 4i + b. The unpacker (for the tiles) and the fused k <= 2 kernels take the bytes
 # u = level * sign + 128 from _emit_iq2_xxs_slots: there a handful of byte-table lookups per
-# group and one vpermb per chunk; elsewhere gathers of the 8-byte grid points in the group
-# layout (_emit_iq2_xxs_group), which the activations then take too: rebuilding the slot order
-# from it took byte shuffles that cost AVX2 more than the gathers. The scale is d * (2s + 1) / 8
+# group and one vpermb per chunk; elsewhere the 8-byte grid points in the group layout
+# (_emit_iq2_xxs_group: by gathers on AVX-512, by one byte load and one 8-byte load each on
+# AVX2), which the activations then take too: rebuilding the slot order from it took byte
+# shuffles that cost AVX2 more than the grid loads. The scale is d * (2s + 1) / 8
 # per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
 
 #: set to False to leave out IQ2_XXS's VBMI + GFNI route (and its vpermps scale table; tests
 #: compare the routes)
 USE_VBMI = True
+#: set to False to load IQ2_XXS's grid points one by one on AVX-512 hosts too (elsewhere they
+#: are: AVX2 compilers lower a gather to loads of indices pulled out of vector registers)
+USE_GATHER = True
 
 
 def _slot_order(features) -> bool:
@@ -774,14 +778,29 @@ def _bytes_const(vals):
     return _vconst([((int(v) + 128) & 255) - 128 for v in vals], _I8)
 
 
-def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
-    """Group g's grid words q0 and sign words q1 (<16 x i32>, lane i = block i) and the block
-    scales dw = d * (2s + 1) / 8 (<16 x float>); see _emit_iq2_xxs_group for ``nvalid``."""
-    v16i32, v16f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+def _opaque_ptr(builder, p):
+    """p, passed through an empty inline asm: loads through it are not merged with loads of the
+    same bytes through p (LLVM would take IQ2_XXS's index bytes out of the vector of words
+    already loaded, one vpextrq and vmovq per pair: more work than a byte load each)."""
+    asm = ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "", "=r,0")
+    return builder.inttoptr(builder.call(asm, [builder.ptrtoint(p, _I64)]), p.type)
+
+
+def _iq2_xxs_superblocks(builder, g, nvalid):
+    """The byte offsets of group g's two super-blocks (the first twice where ``nvalid`` says
+    only it exists)."""
     go = builder.mul(g, _const(132))
     so = [go, builder.add(go, _const(66))]
     if nvalid is not None:
         so[1] = builder.select(builder.icmp_signed(">", nvalid, _const(8)), so[1], go)
+    return so
+
+
+def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
+    """Group g's grid words q0 and sign words q1 (<16 x i32>, lane i = block i) and the block
+    scales dw = d * (2s + 1) / 8 (<16 x float>); see _emit_iq2_xxs_group for ``nvalid``."""
+    v16i32, v16f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
+    so = _iq2_xxs_superblocks(builder, g, nvalid)
     words = [_load(builder, rp, builder.add(so[s], _const(2)), v16i32) for s in range(2)]
     q0 = builder.shuffle_vector(words[0], words[1], _mask(range(0, 32, 2)))  # grid indices
     q1 = builder.shuffle_vector(words[0], words[1], _mask(range(1, 32, 2)))  # signs, scale
@@ -804,8 +823,11 @@ def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
 def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None):
     """IR for group g (i64) of the raw IQ2_XXS row at rp (i8*): its 8 chunks (<64 x i8>, u =
     level * sign + 128 in the group layout) and the 16 block scales dw (<16 x float>), by
-    portable IR: per slot l the 16 blocks' 8-byte grid points by one gather (a constant table
-    in the module), whose low and high words are chunks 2l and 2l + 1; the signs computed (7
+    portable IR: per slot l the 16 blocks' 8-byte grid points (a constant table in the module)
+    by one gather where AVX-512 has it, else by loads of the index bytes and the points one by
+    one (AVX2 code, 4096 x 14336 from memory, 2 threads: 1.35x the bytes per second of the
+    gathers, which LLVM lowers to indices extracted from vector registers there), whose low and
+    high words are chunks 2l and 2l + 1; the signs computed (7
     stored bits and their parity as the eighth) and applied by a compare and select.
     ``nvalid`` (i64, or None: 16): 8 when only the first super-block exists; the lanes of the
     missing one then repeat it (nothing is read past the row's end)."""
@@ -825,6 +847,26 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None):
     gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
                            [ptrs_t, _I32, ir.VectorType(ir.IntType(1), 16), v16i64])
     all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
+    scalar = not (USE_GATHER and "avx512f" in host_features(context))
+    if scalar:
+        opaque_rp, so = _opaque_ptr(builder, rp), _iq2_xxs_superblocks(builder, g, nvalid)
+
+    def grid_points(l):
+        """Slot l's 16 grid points (<16 x i64>, lane i = block i)."""
+        if not scalar:
+            ix = builder.zext(builder.and_(builder.lshr(q0, _splat(8 * l, _I32)),
+                                           _splat(255, _I32)), v16i64)
+            ptrs = builder.inttoptr(builder.add(base, builder.shl(ix, _splat(3, _I64))), ptrs_t)
+            return builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
+                                         ir.Constant(v16i64, None)])
+        gv = ir.Constant(v16i64, None)
+        for i in range(16):  # each index byte loaded from the row as it is (see _opaque_ptr)
+            ib = builder.load(builder.gep(opaque_rp, [builder.add(so[i // 8],
+                                                                  _const(2 + 8 * (i % 8) + l))]))
+            point = builder.load(builder.gep(grid, [ir.Constant(_I32, 0), builder.zext(ib, _I64)]),
+                                 align=8)
+            gv = builder.insert_element(gv, point, ir.Constant(_I32, i))
+        return gv
     # sign word per block: byte l = the 7 bits (q1 >> 7l) & 127 and their parity as bit 7
     b7 = builder.and_(q1, _splat(0x7F, _I32))
     for l in range(1, 4):
@@ -836,12 +878,7 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None):
     sw = builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
                                                      _splat(7, _I32))), v64i8)
     for l in range(4):
-        ix = builder.zext(builder.and_(builder.lshr(q0, _splat(8 * l, _I32)), _splat(255, _I32)),
-                          v16i64)
-        ptrs = builder.inttoptr(builder.add(base, builder.shl(ix, _splat(3, _I64))), ptrs_t)
-        gv = builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
-                                   ir.Constant(v16i64, None)])
-        gw = builder.bitcast(gv, ir.VectorType(_I32, 32))
+        gw = builder.bitcast(grid_points(l), ir.VectorType(_I32, 32))
         for h in range(2):  # low words: chunk 2l, high words: chunk 2l + 1
             mag = builder.bitcast(_pick(builder, gw, range(h, 32, 2)), v64i8)  # vpermt2d
             # byte 4i + e: bit 4h + e of block i's sign byte l
