@@ -370,12 +370,13 @@ def _tree_pair(builder, a, b, levels):
 # nq queries x 2 key parities x 4 output vectors in _pv, fit AVX-512's 32 registers of 16 lanes
 # but spill AVX2's 16 of 8. There the keys go 4 // nq per pass and the output vectors one per
 # pass (AVX2 code, 16 heads over 8 kv heads, 24 layers x 513 keys in cache, time over the
-# AVX-512 shapes' at k = 1 / 4 / 8: 0.85 / 0.8 / 0.75).
+# AVX-512 shapes' at k = 1 / 4 / 8: 0.85 / 0.75 / 0.75).
 #: set to False to compile the AVX2 shapes on any host (tests compare the two: the same bits)
 WIDE_SHAPES = True
 
 
 def _wide_registers(context):
+    """Whether the few-row attention kernels take AVX-512's shapes (see above)."""
     return WIDE_SHAPES and "avx512f" in host_features(context)
 
 
