@@ -651,7 +651,7 @@ def _make_fused(kind, n_rows, n_toks):
                     dxsv = [_load(builder, tp[3], gb, v16f, 4) for tp in toks]
                 else:
                     corr = [_load(builder, tp[1], gb, v16i32, 4) for tp in toks]
-                    if iq2:  # its dots start from -corr (see below)
+                    if iq2 and not signs_on_x:  # its dots start from -corr (see below)
                         negcorr = [builder.sub(ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16),
                                                cv) for cv in corr]
                 out = []
