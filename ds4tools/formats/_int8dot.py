@@ -812,8 +812,9 @@ def _iq2_xxs_superblocks(builder, g, nvalid):
 
 
 def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
-    """Group g's grid words q0 and sign words q1 (<16 x i32>, lane i = block i) and the block
-    scales dw = d * (2s + 1) / 8 (<16 x float>); see _emit_iq2_xxs_group for ``nvalid``."""
+    """Group g's grid words q0 and sign words q1 (<16 x i32>, lane i = block i), the block
+    scales dw = d * (2s + 1) / 8 (<16 x float>) and the super-blocks' byte offsets (see
+    _iq2_xxs_superblocks; _emit_iq2_xxs_group for ``nvalid``)."""
     v16i32, v16f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
     so = _iq2_xxs_superblocks(builder, g, nvalid)
     words = [_load(builder, rp, builder.add(so[s], _const(2)), v16i32) for s in range(2)]
@@ -832,7 +833,7 @@ def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
         ls = builder.add(builder.shl(sc, _splat(1, _I32)), _splat(1, _I32))
         f = builder.fmul(builder.sitofp(ls, v16f), ir.Constant(v16f, [0.125] * 16))
     dw = builder.fmul(dv, f)  # exact either way: 11 x 5 significant bits
-    return q0, q1, dw
+    return q0, q1, dw, so
 
 
 def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False):
@@ -849,7 +850,7 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False)
     (magnitudes, -1 where the level is negative else 0) instead, for dots that move the signs
     onto the activations (see _make_fused)."""
     v64i8, v16i64 = ir.VectorType(_I8, 64), ir.VectorType(_I64, 16)
-    q0, q1, dw = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
+    q0, q1, dw, so = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
     chunks = []
     grid = builder.module.globals.get("ds4_iq2_xxs_grid")
     if grid is None:
@@ -866,7 +867,7 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False)
     all_lanes = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 16)
     scalar = not (USE_GATHER and "avx512f" in host_features(context))
     if scalar:
-        opaque_rp, so = _opaque_ptr(builder, rp), _iq2_xxs_superblocks(builder, g, nvalid)
+        opaque_rp = _opaque_ptr(builder, rp)
 
     def grid_points(l):
         """Slot l's 16 grid points (<16 x i64>, lane i = block i)."""
@@ -947,7 +948,7 @@ def _emit_iq2_xxs_slots(context, builder, rp, lutp, g, nvalid=None):
     v64i8 = ir.VectorType(_I8, 64)
     if not _slot_order(host_features(context)):
         return _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid)
-    q0, q1, dw = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
+    q0, q1, dw, so = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
     halves, signs, values = _IQ2_SLOT_TABLES
     perm2 = _intrinsic_fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64i8, [v64i8] * 3)
     perm = _intrinsic_fn(builder, "llvm.x86.avx512.permvar.qi.512", v64i8, [v64i8] * 2)

@@ -31,10 +31,10 @@ from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE
                        FUSED3_Q8_0, FUSED4_IQ2_XXS, FUSED4_IQ4_NL, FUSED4_Q4_0, FUSED4_Q4_1,
                        FUSED4_Q5_0, FUSED4_Q5_1, FUSED4_Q8_0, FUSED8_IQ2_XXS, FUSED8_IQ4_NL,
                        FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0,
-                       FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS, iq2_xxs_slot_order,
+                       FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
-                       UNPACK_Q8_0, WEIGHT_OFFSET)
+                       UNPACK_Q8_0, WEIGHT_OFFSET, iq2_xxs_slot_order)
 
 QK = 32
 FLT_MAX = np.float32(3.4028234663852886e38)
