@@ -34,6 +34,7 @@ import numpy as np
 from gguf import quants as _gguf_quants
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._llvm_ir import (F32 as _F32, I8 as _I8, I16 as _I16, I32 as _I32, I64 as _I64,
@@ -86,7 +87,10 @@ def _route(context, small):
     vpdpbusd), "avx2" (vpmaddubsw + vpmaddwd, for small weights, u <= 127, where the
     saturating pair sums of vpmaddubsw cannot saturate), "avx2-sign" (any u: ggml's sign trick
     on u - 128, plus 128 * the sums of x) or "generic" (portable IR)."""
-    features = host_features(context)
+    return _route_for(host_features(context), small)
+
+
+def _route_for(features, small):
     if USE_VNNI and "avx512vnni" in features:
         return "vnni"
     if USE_AVX2 and "avx2" in features:
@@ -449,24 +453,30 @@ def _pair_sums(builder, a, b):
 def _block_sums_avx2(builder, parts):
     """AVX2's form of three levels of _pair_sums: ``parts`` are 8 <16 x i32>, vector v holding
     8 partial sums of block 2v (lanes 0..7) and 8 of block 2v + 1 (lanes 8..15); returns
-    <16 x i32>, lane i = block i's sum. Two levels of vphaddd leave, per 4 blocks, the sums of
-    their low 16 bytes in one 128-bit half and of their high 16 bytes in the other; one
-    vpblendd, one vperm2i128 and an add then meet the halves in block order. The generic tree
+    <16 x i32>, lane i = block i's sum (_block_sums8_avx2 per 8 blocks). The generic tree
     compiles to a vphaddd and a vpermq at every level: 42 port-5 operations per token and
     group against 26 here, and port 5 bounds a few-token kernel's loop on AVX2. The same exact
     integers either way."""
-    v8i32 = ir.VectorType(_I32, 8)
-    phadd = _intrinsic_fn(builder, "llvm.x86.avx2.phadd.d", v8i32, [v8i32, v8i32])
     blocks = []
     for p in parts:
         blocks += [builder.shuffle_vector(p, p, _mask(range(8))),
                    builder.shuffle_vector(p, p, _mask(range(8, 16)))]
-    while len(blocks) > 4:
+    lo, hi = _block_sums8_avx2(builder, blocks[:8]), _block_sums8_avx2(builder, blocks[8:])
+    return builder.shuffle_vector(lo, hi, _mask(range(16)))
+
+
+def _block_sums8_avx2(builder, blocks):
+    """<8 x i32>, lane j = the sum of the 8 lanes of blocks[j] (8 <8 x i32>). Two levels of
+    vphaddd leave, per 4 blocks, the sums of their low 16 bytes in one 128-bit half and of
+    their high 16 bytes in the other; one vpblendd, one vperm2i128 and an add then meet the
+    halves in block order."""
+    v8i32 = ir.VectorType(_I32, 8)
+    phadd = _intrinsic_fn(builder, "llvm.x86.avx2.phadd.d", v8i32, [v8i32, v8i32])
+    while len(blocks) > 2:
         blocks = [builder.call(phadd, [a, b]) for a, b in zip(blocks[::2], blocks[1::2])]
-    eights = [builder.add(builder.shuffle_vector(a, b, _mask([0, 1, 2, 3, 12, 13, 14, 15])),
-                          builder.shuffle_vector(a, b, _mask([4, 5, 6, 7, 8, 9, 10, 11])))
-              for a, b in zip(blocks[::2], blocks[1::2])]
-    return builder.shuffle_vector(eights[0], eights[1], _mask(range(16)))
+    a, b = blocks
+    return builder.add(builder.shuffle_vector(a, b, _mask([0, 1, 2, 3, 12, 13, 14, 15])),
+                       builder.shuffle_vector(a, b, _mask([4, 5, 6, 7, 8, 9, 10, 11])))
 
 
 def _signed_dot_chunk(builder, w, x):
@@ -614,11 +624,14 @@ def _make_fused(kind, n_rows, n_toks):
             v64i8, v16i32, v16f = (ir.VectorType(_I8, 64), ir.VectorType(_I32, 16),
                                    ir.VectorType(_F32, 16))
             route = _route(context, small)
-            # IQ2_XXS in the group layout: magnitudes (at most 43) dotted with the activations
-            # negated where the level is (|x| <= 127), as ggml does, on the small weights'
-            # route, in place of the signed levels + 128 and their offset sums: the same
-            # integers (AVX2 code, 4096 x 14336 from memory, k = 1: 1.37x the bytes per second)
+            # IQ2_XXS outside the slot order: magnitudes (at most 43) dotted with the
+            # activations negated where the level is (|x| <= 127), as ggml does, on the small
+            # weights' route, in place of the signed levels + 128 and their offset sums: the
+            # same integers (AVX2 code, 4096 x 14336 from memory, k = 1: 1.37x the bytes per
+            # second); on AVX2 in the natural order (_emit_iq2_xxs_natural), else in the group
+            # layout
             signs_on_x = iq2 and not _slot_order(host_features(context))
+            natural_iq2 = iq2 and _iq2_natural(host_features(context))
             small_route = _route(context, True)
             t0, r0, n = (_as_i64(builder, v) for v in args[6:9])
             lutp = context.make_array(sig.args[1])(context, builder, args[1]).data
@@ -661,6 +674,9 @@ def _make_fused(kind, n_rows, n_toks):
                     elif kind in FUSED_QUAD:
                         isums, dwv, mv = _emit_nibbles_quad(context, builder, route, kind, rp,
                                                             lutp, g, nvalid, xv)
+                    elif natural_iq2:
+                        isums, dwv = _emit_iq2_xxs_natural(
+                            context, builder, rp, lutp, g, nvalid, [tp[0] for tp in toks], base)
                     elif iq2 and signs_on_x:
                         uv, dwv = _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid,
                                                       split=True)
@@ -671,7 +687,7 @@ def _make_fused(kind, n_rows, n_toks):
                                                              g, nvalid)
                         uv = [builder.bitcast(ch, v64i8) for ch in chunks]
                     for t in range(n_toks):
-                        if kind == 4 or kind in FUSED_QUAD:
+                        if kind == 4 or kind in FUSED_QUAD or natural_iq2:
                             isum = isums[t]
                         elif iq2 and signs_on_x:  # |level| . (x * sign): v . x exactly
                             isum = ir.Constant(v16i32, [ir.Constant(_I32, 0)] * 16)
@@ -759,8 +775,9 @@ FUSED8_Q4_0, FUSED8_Q4_1, FUSED8_Q5_0, FUSED8_Q5_1, FUSED8_Q8_0, FUSED8_IQ4_NL =
 # group and one vpermb per chunk; elsewhere the 8-byte grid points in the group layout
 # (_emit_iq2_xxs_group: by gathers on AVX-512, by one byte load and one 8-byte load each on
 # AVX2), which the activations then take too: rebuilding the slot order from it took byte
-# shuffles that cost AVX2 more than the grid loads. The scale is d * (2s + 1) / 8
-# per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
+# shuffles that cost AVX2 more than the grid loads. On AVX2 the fused kernels read the
+# activations in their natural order instead (_emit_iq2_xxs_natural, iq2_xxs_natural()). The
+# scale is d * (2s + 1) / 8 per block on every route (exact: ggml's d * (0.5 + s) * 0.25).
 
 #: set to False to leave out IQ2_XXS's VBMI + GFNI route (and its vpermps scale table; tests
 #: compare the routes)
@@ -772,6 +789,16 @@ USE_GATHER = True
 
 def _slot_order(features) -> bool:
     return USE_VBMI and {"avx512vbmi", "gfni"} <= features
+
+
+def _iq2_natural(features) -> bool:
+    return not _slot_order(features) and _route_for(features, True) == "avx2"
+
+
+def iq2_xxs_natural() -> bool:
+    """Whether IQ2_XXS's fused kernels read the activations in their natural order on this
+    host (AVX2 without AVX-512 VNNI: _emit_iq2_xxs_natural), as Q8_0's do."""
+    return _iq2_natural(host_cpu_features())
 
 
 def iq2_xxs_slot_order() -> bool:
@@ -793,12 +820,16 @@ def _bytes_const(vals):
     return _vconst([((int(v) + 128) & 255) - 128 for v in vals], _I8)
 
 
+def _opaque_i64(builder, v):
+    """v (i64), passed through an empty inline asm: a value LLVM cannot see through."""
+    return builder.call(ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "", "=r,0"), [v])
+
+
 def _opaque_ptr(builder, p):
-    """p, passed through an empty inline asm: loads through it are not merged with loads of the
+    """p, passed through _opaque_i64: loads through it are not merged with loads of the
     same bytes through p (LLVM would take IQ2_XXS's index bytes out of the vector of words
     already loaded, one vpextrq and vmovq per pair: more work than a byte load each)."""
-    asm = ir.InlineAsm(ir.FunctionType(_I64, [_I64]), "", "=r,0")
-    return builder.inttoptr(builder.call(asm, [builder.ptrtoint(p, _I64)]), p.type)
+    return builder.inttoptr(_opaque_i64(builder, builder.ptrtoint(p, _I64)), p.type)
 
 
 def _iq2_xxs_superblocks(builder, g, nvalid):
@@ -836,6 +867,98 @@ def _iq2_xxs_words(context, builder, rp, lutp, g, nvalid):
     return q0, q1, dw, so
 
 
+def _iq2_xxs_grid(builder):
+    """The module's constant table of the 256 grid points (i64: 8 magnitudes as bytes)."""
+    grid = builder.module.globals.get("ds4_iq2_xxs_grid")
+    if grid is None:
+        ty = ir.ArrayType(_I64, 256)
+        grid = ir.GlobalVariable(builder.module, ty, "ds4_iq2_xxs_grid")
+        grid.linkage = "internal"
+        grid.global_constant = True
+        grid.initializer = ir.Constant(ty, [((v + 2**63) % 2**64) - 2**63 for v in IQ2_XXS_GRID])
+        grid.align = 64
+    return grid
+
+
+def _iq2_xxs_sign_bytes(builder, q1):
+    """<64 x i8>, byte 4i + l: the 8 signs of block i's slot l (bit j set: value 8l + j
+    negative): the 7 stored bits (q1 >> 7l) & 127 and their parity as bit 7."""
+    b7 = builder.and_(q1, _splat(0x7F, _I32))
+    for l in range(1, 4):
+        b7 = builder.or_(b7, builder.and_(builder.shl(q1, _splat(l, _I32)),
+                                          _splat(0x7F << (8 * l), _I32)))
+    p = builder.xor(b7, builder.lshr(b7, _splat(4, _I32)))
+    p = builder.xor(p, builder.lshr(p, _splat(2, _I32)))
+    p = builder.xor(p, builder.lshr(p, _splat(1, _I32)))
+    return builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
+                                                       _splat(7, _I32))), ir.VectorType(_I8, 64))
+
+
+def _emit_iq2_xxs_natural(context, builder, rp, lutp, g, nvalid, xps, base):
+    """IQ2_XXS's group g of the raw row at rp dotted with activations in their natural order
+    (xps: per token the activations' row pointer, i8*; base: the group's byte offset), as
+    ggml's AVX2 kernel does, on the "avx2" route: a block's 4 grid points side by side are its
+    32 magnitudes in order, so no transpose into the group layout; per block a byte load and
+    an 8-byte load per point, its 4 sign bytes (_iq2_xxs_sign_bytes, kept on the stack)
+    broadcast and spread to its 32 values by one vpshufb, a byte that is negative exactly
+    where the level is (bit + 128 - bit) for vpsignb on the activations, then one vpmaddubsw
+    and one vpmaddwd; _block_sums8_avx2 puts block i's exact sum in lane i. The group's two
+    super-blocks go through a loop whose trip count LLVM cannot see, so it is not unrolled:
+    the unrolled group holds more values than AVX2's 16 registers. Against the group layout
+    (AVX2 code, 256 x 14336 in cache, one thread, k = 1 / 2 / 4 / 8): 215 / 310 / 452 / 838
+    us to 209 / 306 / 435 / 713. AVX-512 hosts without VBMI keep the group layout, where the
+    gathers make it faster (AVX-512 VNNI code, k = 8: 479 us against 612 for this order).
+    Returns ([<16 x i32> per token], dw)."""
+    v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+    v32i8, v4i64 = ir.VectorType(_I8, 32), ir.VectorType(_I64, 4)
+    _, q1, dw, so = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
+    grid = _iq2_xxs_grid(builder)
+    maddubs, maddwd, psign, ones = _avx2_fns(builder)
+    slot = cgutils.alloca_once(builder, ir.VectorType(_I8, 64))
+    builder.store(_iq2_xxs_sign_bytes(builder, q1), slot)
+    swp = _opaque_ptr(builder, builder.bitcast(slot, _I32.as_pointer()))
+    opaque_rp = _opaque_ptr(builder, rp)
+    bit = _vconst([((1 << (j % 8)) ^ 128) - 128 for j in range(32)], _I8)
+    top = _vconst([((128 - (1 << (j % 8)) if j % 8 < 7 else 1) ^ 128) - 128 for j in range(32)],
+                  _I8)
+    spread = _vconst([j // 8 for j in range(32)], _I8)
+    pshufb = _intrinsic_fn(builder, "llvm.x86.avx2.pshuf.b", v32i8, [v32i8, v32i8])
+    two = _opaque_i64(builder, _const(2))
+    zero8 = ir.Constant(v8i32, [ir.Constant(_I32, 0)] * 8)
+
+    def half(w, vals):
+        sob = builder.select(builder.icmp_signed("==", w, _const(0)), so[0], so[1])
+        xo = builder.add(base, builder.mul(w, _const(256)))
+        blocks = [[] for _ in xps]
+        for j in range(8):  # block 8w + j: block j of super-block w
+            pts = ir.Constant(v4i64, None)
+            for l in range(4):
+                ib = builder.load(builder.gep(opaque_rp, [builder.add(sob, _const(2 + 8 * j + l))]))
+                point = builder.load(builder.gep(grid, [ir.Constant(_I32, 0),
+                                                        builder.zext(ib, _I64)]), align=8)
+                pts = builder.insert_element(pts, point, ir.Constant(_I32, l))
+            mag = builder.bitcast(pts, v32i8)
+            sw = builder.load(builder.gep(swp, [builder.add(builder.mul(w, _const(8)),
+                                                            _const(j))]), align=4)
+            sb = builder.call(pshufb, [builder.bitcast(splat(builder, sw, 8), v32i8), spread])
+            m = builder.add(builder.and_(sb, bit), top)
+            for t, xp in enumerate(xps):
+                x = _load(builder, xp, builder.add(xo, _const(32 * j)), v32i8)
+                pairs = builder.call(maddubs, [mag, builder.call(psign, [x, m])])
+                blocks[t].append(builder.call(maddwd, [pairs, ones]))
+        first = builder.icmp_signed("==", w, _const(0))
+        out = []
+        for t in range(len(xps)):
+            r = _block_sums8_avx2(builder, blocks[t])
+            out += [builder.select(first, r, vals[2 * t]), builder.select(first, vals[2 * t + 1], r)]
+        return out
+
+    vals = _loop(builder, two, [(v8i32, zero8)] * (2 * len(xps)), half, "iq2half")
+    sums = [builder.shuffle_vector(vals[2 * t], vals[2 * t + 1], _mask(range(16)))
+            for t in range(len(xps))]
+    return sums, dw
+
+
 def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False):
     """IR for group g (i64) of the raw IQ2_XXS row at rp (i8*): its 8 chunks (<64 x i8>, u =
     level * sign + 128 in the group layout) and the 16 block scales dw (<16 x float>), by
@@ -852,14 +975,7 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False)
     v64i8, v16i64 = ir.VectorType(_I8, 64), ir.VectorType(_I64, 16)
     q0, q1, dw, so = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
     chunks = []
-    grid = builder.module.globals.get("ds4_iq2_xxs_grid")
-    if grid is None:
-        ty = ir.ArrayType(_I64, 256)
-        grid = ir.GlobalVariable(builder.module, ty, "ds4_iq2_xxs_grid")
-        grid.linkage = "internal"
-        grid.global_constant = True
-        grid.initializer = ir.Constant(ty, [((v + 2**63) % 2**64) - 2**63 for v in IQ2_XXS_GRID])
-        grid.align = 64
+    grid = _iq2_xxs_grid(builder)
     base = splat(builder, builder.ptrtoint(grid, _I64), 16)
     ptrs_t = ir.VectorType(_I64.as_pointer(), 16)
     gather = _intrinsic_fn(builder, "llvm.masked.gather.v16i64.v16p0", v16i64,
@@ -885,16 +1001,7 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False)
                                  align=8)
             gv = builder.insert_element(gv, point, ir.Constant(_I32, i))
         return gv
-    # sign word per block: byte l = the 7 bits (q1 >> 7l) & 127 and their parity as bit 7
-    b7 = builder.and_(q1, _splat(0x7F, _I32))
-    for l in range(1, 4):
-        b7 = builder.or_(b7, builder.and_(builder.shl(q1, _splat(l, _I32)),
-                                          _splat(0x7F << (8 * l), _I32)))
-    p = builder.xor(b7, builder.lshr(b7, _splat(4, _I32)))
-    p = builder.xor(p, builder.lshr(p, _splat(2, _I32)))
-    p = builder.xor(p, builder.lshr(p, _splat(1, _I32)))
-    sw = builder.bitcast(builder.or_(b7, builder.shl(builder.and_(p, _splat(0x01010101, _I32)),
-                                                     _splat(7, _I32))), v64i8)
+    sw = _iq2_xxs_sign_bytes(builder, q1)
     for l in range(4):
         gw = builder.bitcast(grid_points(l), ir.VectorType(_I32, 32))
         for h in range(2):  # low words: chunk 2l, high words: chunk 2l + 1

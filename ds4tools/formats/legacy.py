@@ -34,7 +34,8 @@ from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE
                        FUSED_NATURAL, FUSED_QUAD, FUSED_ROWS, FUSED_SLOTS,
                        GROUP_BLOCKS, GROUP_BYTES, GROUP_RAW_BYTES, KIND_IQ2_XXS, UNPACK_IQ2_XXS,
                        UNPACK_IQ4_NL, UNPACK_Q4_0, UNPACK_Q4_1, UNPACK_Q5_0, UNPACK_Q5_1,
-                       UNPACK_Q8_0, WEIGHT_OFFSET, iq2_xxs_slot_order)
+                       UNPACK_Q8_0, WEIGHT_OFFSET, iq2_xxs_natural,
+                       iq2_xxs_slot_order)
 
 QK = 32
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -432,7 +433,8 @@ def _matmul_q8(kind, raw, lut, xq, xcorr, dx, dxs, out, passes):
     time unpacked in registers and dotted with all the tokens, no scratch; for Q8_0 those read
     xq in the natural order (value j of block b at byte 32b + j), for Q4_0, Q4_1 and IQ4_NL in
     _int8dot's quad order (matmul_q8_tiles prepares them), not the group layout. IQ2_XXS's
-    weights and activations are in _int8dot's slot order for every k."""
+    weights and activations are in _int8dot's slot order for every k where the host has
+    AVX-512 VBMI and GFNI; its fused kernels read the natural order on AVX2."""
     n_out = raw.shape[0]
     k, n_pad = xq.shape
     nb_pad = n_pad // QK
@@ -504,7 +506,8 @@ def _act_layout_q8(kind, act):
     made once per layout and weight offset and kept on act (see QuantizedActivations)."""
     k, n = act.q.shape
     fused = k <= Q8_FUSED_TOKENS or _passes(kind)
-    layout = ("natural" if fused and kind in FUSED_NATURAL else
+    natural = kind in FUSED_NATURAL or (kind == KIND_IQ2_XXS and iq2_xxs_natural())
+    layout = ("natural" if fused and natural else
               "quad" if fused and kind in FUSED_QUAD else
               "slots" if kind in FUSED_SLOTS and iq2_xxs_slot_order() else "group")
     key = ("q8", layout, WEIGHT_OFFSET[kind])
