@@ -12,7 +12,11 @@ For each format and matrix size it prints, measured in this process (best of --r
   twice: on one matrix called again and again (from cache where it fits) and cycling through
   copies of it that together fill twice the last-level cache (from memory, as a decoding step
   reads a model larger than the cache); then the verify cost r(k) = time(k rows) / time(1 row)
-  of the int8 path for k = 2, 4, 8, 16.
+  of the int8 path for k = 2, 4, 8, 16;
+* llama.cpp's mat-vec on the same matrix, timed the same two ways: ggml_mul_mat on ggml's
+  CPU backend with as many threads as numba's (ggml_matvec.py; the libggml of
+  llama-cpp-python, else of ggml-python, or of any llama.cpp build with ``--llama-lib DIR``),
+  with the largest difference of its result from ours (relative to ours).
 
 ``--matvec-only`` skips the quantize / dequantize baselines (ggml, gguf-py).
 
@@ -39,6 +43,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ds4tools import formats
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # ggml_matvec, beside this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -131,22 +137,45 @@ def _ratio(baseline: float | None, ours: float) -> str:
     return "   n/a" if baseline is None else f"{baseline / ours:6.2f}x"
 
 
-def matvec_from_memory(raw: np.ndarray, name: str, shape, vec, int8: bool, repeat: int,
-                       cache_bytes: int) -> tuple[float, int]:
-    """(seconds per mat-vec, copies): the mat-vec over copies of ``raw`` filling twice
-    ``cache_bytes``, one after another, so that each call reads its matrix from memory."""
-    copies = max(2, -(-2 * cache_bytes // raw.nbytes))
-    mats = [raw.copy() for _ in range(copies)]
+def copies_beyond_cache(raw: np.ndarray, cache_bytes: int) -> list:
+    """Copies of ``raw`` filling twice ``cache_bytes``: called one after another, each call
+    reads its matrix from memory."""
+    return [raw.copy() for _ in range(max(2, -(-2 * cache_bytes // raw.nbytes)))]
 
+
+def matvec_from_memory(mats: list, name: str, shape, vec, int8: bool, repeat: int) -> float:
+    """Seconds per mat-vec over the copies ``mats``, one after another."""
     def sweep():
         for m in mats:
             formats.matmul(m, name, shape, vec, int8=int8)
 
-    return best_time(sweep, repeat) / copies, copies
+    return best_time(sweep, repeat) / len(mats)
+
+
+def ggml_matvec_times(lib_dir: str, name: str, raw, mats: list, vec, repeat: int, threads: int):
+    """(seconds in cache, seconds from memory or None, max |ggml - ours| / max |ours| or None):
+    llama.cpp's mat-vec (ggml_matvec.GgmlMatvec) on ``raw`` called again and again, and
+    cycling through ``mats``; None where ggml does not run this type here."""
+    from ggml_matvec import GgmlMatvec
+    try:
+        g = GgmlMatvec(lib_dir, name, [raw] + mats, vec.shape[1], threads)
+    except (OSError, AttributeError, KeyError, RuntimeError):
+        return None
+    try:
+        g.set_input(vec)
+        g.run_first()
+        ours = formats.matmul(raw, name, (raw.shape[0], vec.shape[1]), vec)[0]
+        err = float(np.abs(g.output(0) - ours).max() / max(np.abs(ours).max(), 1e-30))
+        t_cache = best_time(g.run_first, max(3, 5 * repeat))
+        t_mem = best_time(g.run_rest, repeat) / len(mats) if mats else None
+        return t_cache, t_mem, err
+    finally:
+        g.close()
 
 
 def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps: float,
-              matvec_only: bool = False, cache_bytes: int = 0) -> list[str]:
+              matvec_only: bool = False, cache_bytes: int = 0,
+              llama_lib: str | None = None) -> list[str]:
     f = formats.FORMATS[name]
     if n % f.block_size:
         return [f"{name:8s} {rows}x{n}: skipped (row length not a multiple of {f.block_size})"]
@@ -193,9 +222,15 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
     t_blas = best_time(lambda: vec @ w_t.T, mv_repeat)
     t_fast = t_mv8 if t_mv8 is not None else t_mv
     t_mem = copies = None
-    if cache_bytes:
-        t_mem, copies = matvec_from_memory(raw, name, x.shape, vec, t_mv8 is not None, repeat,
-                                           cache_bytes)
+    mats = copies_beyond_cache(raw, cache_bytes) if cache_bytes else []
+    if mats:
+        copies = len(mats)
+        t_mem = matvec_from_memory(mats, name, x.shape, vec, t_mv8 is not None, repeat)
+    from numba import get_num_threads
+    threads = get_num_threads()
+    llama = (ggml_matvec_times(llama_lib, name, raw, mats, vec, repeat, threads)
+             if llama_lib else None)
+    del mats
     r_k = {}
     for k in (2, 4, 8, 16):
         xk = rng.standard_normal((k, n)).astype(np.float32)
@@ -218,6 +253,16 @@ def bench_one(name: str, rows: int, n: int, repeat: int, ggml, rng, memcpy_gbps:
            f" = {raw.nbytes / t_mem / 1e9 / memcpy_gbps:4.2f} x memcpy;" if t_mem else "")
         + "  r(k) " + " ".join(f"{k}:{v:.2f}" for k, v in r_k.items()),
     ]
+    if llama is not None:
+        lc, lm, err = llama
+        lines.append(
+            f"{'':8s} {'':{len(f'{rows}x{n}')}}  ggml_mul_mat ({threads} threads):"
+            f" {raw.nbytes / lc / 1e9:6.2f} GB/s = {raw.nbytes / lc / 1e9 / memcpy_gbps:4.2f} x memcpy"
+            + (f"; from memory {raw.nbytes / lm / 1e9:6.2f} GB/s"
+               f" = {raw.nbytes / lm / 1e9 / memcpy_gbps:4.2f} x memcpy" if lm else "")
+            + f";  ours vs ggml {_ratio(lc, t_fast)}"
+            + (f", from memory {_ratio(lm, t_mem)}" if lm and t_mem else "")
+            + f"  (max |difference| / max |y| {err:.1e})")
     return lines
 
 
@@ -234,6 +279,10 @@ def main(argv=None) -> int:
                         "this machine's, from sysfs; 0: no from-memory runs)")
     p.add_argument("--matvec-only", action="store_true",
                    help="time the mat-vecs only (no quantize / dequantize baselines)")
+    p.add_argument("--llama-lib", default=None, metavar="DIR",
+                   help="folder of the libggml-base.so and libggml-cpu.so whose ggml_mul_mat is "
+                        "the mat-vec baseline (default: llama-cpp-python's, else ggml-python's; "
+                        "'none': no baseline)")
     args = p.parse_args(argv)
     names = list(formats.FORMATS) if not args.formats else [
         formats.get_format(s).name for s in args.formats.split(",") if s.strip()]
@@ -253,12 +302,18 @@ def main(argv=None) -> int:
     print(f"# numpy memory copy: {memcpy_gbps:.1f} GB/s (bytes read per second, this run, "
           f"{copy_bytes >> 20} MiB"
           + (f"; last-level cache {cache_bytes >> 20} MiB)" if cache_bytes else ")"))
+    from ggml_matvec import default_lib_dir
+    llama_lib = (None if args.llama_lib == "none" else args.llama_lib or default_lib_dir())
+    print("# mat-vec baseline: "
+          + (f"ggml_mul_mat (llama.cpp's CPU kernels) from {llama_lib}" if llama_lib else
+             "none (neither llama-cpp-python nor ggml-python installed; --llama-lib DIR names "
+             "a llama.cpp build)"))
     print("# ratios: times faster than the baseline (> 1: ours is faster)")
     rng = np.random.default_rng(0)
     for rows, n in sizes:
         for name in names:
             for line in bench_one(name, rows, n, repeat, ggml, rng, memcpy_gbps,
-                                  args.matvec_only, cache_bytes):
+                                  args.matvec_only, cache_bytes, llama_lib):
                 print(line, flush=True)
     return 0
 

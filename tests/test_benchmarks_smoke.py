@@ -32,6 +32,13 @@ def test_bench_formats_matvec_from_memory(capsys):
     assert len(read) == 2 and all("copies cycled)" in line and line.count("x memcpy") == 2
                                   for line in read), out
     assert "last-level cache 1 MiB" in out
+    # the baseline: ggml_mul_mat through ctypes, from ggml-python's library (the `test` extra)
+    # where llama-cpp-python is absent; its result agrees with ours
+    ggml_lines = [line for line in out.splitlines()
+                  if "ggml_mul_mat (" in line and not line.startswith("#")]
+    assert len(ggml_lines) == 2 and all("from memory" in line for line in ggml_lines), out
+    for line in ggml_lines:
+        assert float(line.rsplit("max |y| ", 1)[1].rstrip(")")) < 0.05, line
 
 
 def test_bench_formats_rejects_a_bad_size():
