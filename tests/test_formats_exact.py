@@ -155,3 +155,18 @@ def test_f16_matmul_decodes_every_bit_pattern_exactly():
     got = np.empty(65536, np.float32)
     f16_row_to_f32(h, got)
     np.testing.assert_array_equal(got.view(np.uint32), FP16_TO_FP32.view(np.uint32))
+
+
+def test_f16_matmul_rows_by_f16c_keep_every_value():
+    # where the CPU has F16C the mat-vec's rows go through vcvtph2ps, 8 at a time (the last
+    # len % 8 through f16_row_to_f32): every pattern but a NaN gives the table's bits, and a
+    # NaN stays a NaN (a signalling one comes back quiet)
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    from ds4tools.formats.floats import f16_row_to_f32_fast
+    h = np.concatenate([np.arange(65536), np.arange(0x7C00, 0x7C05)]).astype(np.uint16)
+    got = np.empty(h.shape[0], np.float32)
+    f16_row_to_f32_fast(h, got)
+    ref = FP16_TO_FP32[h]
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all()

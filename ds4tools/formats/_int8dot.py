@@ -950,7 +950,8 @@ def _emit_iq2_xxs_natural(context, builder, rp, lutp, g, nvalid, xps, base):
         out = []
         for t in range(len(xps)):
             r = _block_sums8_avx2(builder, blocks[t])
-            out += [builder.select(first, r, vals[2 * t]), builder.select(first, vals[2 * t + 1], r)]
+            out += [builder.select(first, r, vals[2 * t]),
+                    builder.select(first, vals[2 * t + 1], r)]
         return out
 
     vals = _loop(builder, two, [(v8i32, zero8)] * (2 * len(xps)), half, "iq2half")

@@ -1,10 +1,13 @@
 """F32, F16 and BF16: element-wise conversion, rounding exactly as ggml does (nearest even)."""
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .base import QuantFormat, register
-from ._llvm_ir import f32_from_bits
+from ._llvm_ir import (F32 as _F32, I16 as _I16, c_array, const, data_ptr, f32_from_bits,
+                       host_features, loop)
 from ._numeric import FP16_TO_FP32
 
 
@@ -109,13 +112,59 @@ def f16_row_to_f32(h, out):
         out[i] = -v if u & np.int32(0x8000) else v
 
 
+#: set to False to leave out the F16C conversion (tests compare the two)
+USE_F16C = True
+
+
+@intrinsic
+def f16c_row_to_f32(typingctx, h, out):
+    """As f16_row_to_f32 for the first len(h) // 8 * 8 values, by the CPU's conversion
+    instruction (vcvtph2ps, 8 values per instruction: F16C, which every AVX2 CPU has), and
+    returns that count; 0 (nothing converted) where numba compiles for a CPU without F16C.
+    The values are exact; a signalling NaN comes back quiet. The 4096x14336 F16 mat-vec (AVX2
+    code, 2 threads): 9.3 -> 17.6 GB/s of weights in cache, 8.9 -> 16.1 from memory."""
+    if not (c_array(h, types.uint16) and c_array(out, types.float32)):
+        return None
+    sig = types.int64(h, out)
+
+    def codegen(context, builder, sig, args):
+        if not (USE_F16C and "f16c" in host_features(context)):
+            return const(0)
+        hp = data_ptr(context, builder, sig.args[0], args[0])
+        op = data_ptr(context, builder, sig.args[1], args[1])
+        ha = context.make_array(sig.args[0])(context, builder, args[0])
+        n8 = builder.udiv(builder.extract_value(ha.shape, 0), const(8))
+        v8h, v8i16 = ir.VectorType(ir.HalfType(), 8), ir.VectorType(_I16, 8)
+        v8f = ir.VectorType(_F32, 8)
+
+        def body(i, _):
+            o = builder.mul(i, const(8))
+            bits = builder.load(builder.bitcast(builder.gep(hp, [o]), v8i16.as_pointer()),
+                                align=2)
+            builder.store(builder.fpext(builder.bitcast(bits, v8h), v8f),
+                          builder.bitcast(builder.gep(op, [o]), v8f.as_pointer()), align=4)
+            return []
+
+        loop(builder, n8, [], body, "f16c")
+        return builder.mul(n8, const(8))
+    return sig, codegen
+
+
+@njit(cache=True)
+def f16_row_to_f32_fast(h, out):
+    """out = the float32 values of the fp16 bits h: by F16C where the CPU has it (a
+    signalling NaN then comes back quiet), else f16_row_to_f32."""
+    done = f16c_row_to_f32(h, out)
+    f16_row_to_f32(h[done:], out[done:])
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _matmul_f16(h, x, out):
     n_out, n_in = h.shape
     k = x.shape[0]
     for r in prange(n_out):
         row = np.empty(n_in, np.float32)
-        f16_row_to_f32(h[r], row)
+        f16_row_to_f32_fast(h[r], row)
         for t in range(k):
             acc = np.float32(0.0)
             for i in range(n_in):
