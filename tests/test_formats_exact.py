@@ -170,3 +170,22 @@ def test_f16_matmul_rows_by_f16c_keep_every_value():
     nan = np.isnan(ref)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
     assert np.isnan(got[nan]).all()
+
+
+def test_f16c_conversion_can_be_left_out(monkeypatch):
+    # USE_F16C = False compiles the conversion to nothing (count 0), so f16_row_to_f32 does all
+    # of a row; with it, hosts with F16C convert the whole multiples of 8
+    from numba import njit
+    from ds4tools.formats import floats
+    from ds4tools.formats._llvm_ir import host_cpu_features
+    h = np.arange(20, dtype=np.uint16)
+
+    def fresh():
+        @njit
+        def run(h, out):
+            return floats.f16c_row_to_f32(h, out)
+        return run(h, np.zeros(20, np.float32))
+
+    assert fresh() == (16 if "f16c" in host_cpu_features() else 0)
+    monkeypatch.setattr(floats, "USE_F16C", False)
+    assert fresh() == 0
