@@ -259,3 +259,27 @@ def test_int8_matmul_long_batches_match_single_tokens(name):
     for t in (0, 31, 32, 33, 63, 64, 69):
         np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[t], int8=True), full[t])
     np.testing.assert_array_equal(formats.matmul(raw, name, w.shape, x[30:67], int8=True), full[30:67])
+
+
+def test_q8_0_float_row_decoder_is_bit_identical():
+    # the exact Q8_0 path's vector-IR decoder against the plain one (which dequantize uses)
+    from ds4tools.formats import legacy
+    from ds4tools.formats._int8dot import DECODE_F32_Q8_0
+    from ds4tools.formats._numeric import FP16_TO_FP32
+    rng = np.random.default_rng(8)
+    nb = 23
+    raw = rng.integers(0, 256, nb * 34, dtype=np.uint8)
+    blocks = raw.reshape(nb, 34)
+    specials = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x7BFF, 0xFBFF, 0x3C00], np.uint16)
+    blocks[:7, 0:2] = specials.view(np.uint8).reshape(7, 2)   # zeros, subnormals, extremes
+    blocks[7:, 1] &= 0x7B                                      # the rest finite
+    a = np.zeros(nb * 32, np.float32)
+    b = np.ones(nb * 32, np.float32)
+    legacy._q8_0_decode_row(raw, FP16_TO_FP32, a, legacy.QK)
+
+    @njit
+    def decode(raw, lut, out):
+        DECODE_F32_Q8_0(raw, lut, out, out.shape[0] // 32)
+
+    decode(raw, FP16_TO_FP32, b)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

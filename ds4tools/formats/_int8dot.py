@@ -27,8 +27,8 @@ sequence per (row, token), and the integer route (VNNI, AVX2 or generic) only ch
 integers are reached, so a token's result never depends on the batch size, the tile or the
 thread split.
 
-Also here: ``DECODE_F32_*``, one row of Q4_0..Q5_1 blocks to float32 as vector IR, for the
-exact float32 matmuls (bit-identical to legacy._decode_row).
+Also here: ``DECODE_F32_*``, one row of Q4_0..Q5_1 or Q8_0 blocks to float32 as vector IR,
+for the exact float32 matmuls (bit-identical to legacy._decode_row and _q8_0_decode_row).
 """
 import numpy as np
 from gguf import quants as _gguf_quants
@@ -1195,6 +1195,35 @@ def _make_decode_f32(kind):
 #: float decoders of Q4_0, Q4_1, Q5_0, Q5_1: (rr, lut, y, nblocks)
 DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1 = (
     _make_decode_f32(k) for k in range(4))
+
+
+@intrinsic
+def DECODE_F32_Q8_0(typingctx, rr, lut, y, nblocks):
+    """Blocks 0..nblocks-1 of one raw Q8_0 row rr (uint8) -> float32 y: float(q) * d, one
+    multiply per value as legacy._q8_0_decode_row (bit-identical), but one block per step of
+    32 lanes, where numba's loop over a block paid its vector loop's set-up per block of 32
+    (the exact Q8_0 mat-vec in cache, AVX2 code, one thread: 576 x 192 17.2 -> 14.1 us,
+    2048 x 192 58 -> 47 us)."""
+    sig = types.void(rr, lut, y, nblocks)
+
+    def codegen(context, builder, sig, args):
+        rp, lutp, yp = [context.make_array(sig.args[i])(context, builder, args[i]).data
+                        for i in range(3)]
+        v32i8, v32f = ir.VectorType(_I8, 32), ir.VectorType(_F32, 32)
+
+        def body(b, _):
+            o = builder.mul(b, _const(34))
+            d = builder.load(builder.gep(lutp, [builder.zext(_load(builder, rp, o, _I16), _I64)]))
+            q = _load(builder, rp, builder.add(o, _const(2)), v32i8)
+            v = builder.fmul(builder.sitofp(q, v32f), splat(builder, d, 32))
+            builder.store(v, builder.bitcast(builder.gep(yp, [builder.mul(b, _const(32))]),
+                                             v32f.as_pointer()), align=4)
+            return []
+
+        _loop(builder, _as_i64(builder, args[3]), [], body, "decode")
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # === K-quants (Q2_K..Q6_K): a 256-value super-block as one group of 16 sub-blocks of 16 =========

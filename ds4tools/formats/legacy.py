@@ -23,6 +23,7 @@ from ._llvm_ir import avx2_without_vnni, f32_from_bits, store_le
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16, round_away
 from ._search import LANE_WORK, affine_search_groups, symmetric_search_groups, to_fp16
 from ._int8dot import (DECODE_F32_Q4_0, DECODE_F32_Q4_1, DECODE_F32_Q5_0, DECODE_F32_Q5_1,
+                       DECODE_F32_Q8_0,
                        DOT_2x1_AFF, DOT_2x1_Q8, DOT_2x1_SYM, DOT_2x2_AFF, DOT_2x2_Q8, DOT_2x2_SYM,
                        FUSED1_IQ2_XXS, FUSED1_IQ4_NL, FUSED1_Q4_0, FUSED1_Q4_1, FUSED1_Q5_0,
                        FUSED1_Q5_1, FUSED1_Q8_0, FUSED2_IQ2_XXS, FUSED2_IQ4_NL, FUSED2_Q4_0,
@@ -123,11 +124,12 @@ def dot_two_rows(w0, w1, x, t):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _q8_0_matmul(raw, lut, x, out, qk):
-    # Decode two rows to floats (d * q, exactly the dequantized weights), then for each
-    # activation row one pass computing both flat dots: the x loads are shared and two
+    # Decode two rows to floats (d * q, exactly the dequantized weights: DECODE_F32_Q8_0), then
+    # for each activation row one pass computing both flat dots: the x loads are shared and two
     # reductions are in flight. Every row goes through this same two-row code (an odd last row
     # is paired with itself), so a row's result never depends on its neighbour, on k or on
-    # where a thread's chunk starts: batched verification depends on that.
+    # where a thread's chunk starts: batched verification depends on that. qk: unused, kept
+    # for the signature.
     n_out = raw.shape[0]
     k, n_in = x.shape
     n_pairs = (n_out + 1) // 2
@@ -138,8 +140,8 @@ def _q8_0_matmul(raw, lut, x, out, qk):
         for pair in range(c * chunk, min(n_pairs, c * chunk + chunk)):
             r0 = 2 * pair
             r1 = min(r0 + 1, n_out - 1)
-            _q8_0_decode_row(raw[r0], lut, w0, qk)
-            _q8_0_decode_row(raw[r1], lut, w1, qk)
+            DECODE_F32_Q8_0(raw[r0], lut, w0, n_in // QK)
+            DECODE_F32_Q8_0(raw[r1], lut, w1, n_in // QK)
             for t in range(k):
                 out[t, r0], out[t, r1] = dot_two_rows(w0, w1, x, t)
 
