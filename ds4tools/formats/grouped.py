@@ -161,7 +161,6 @@ def grouped_matmul(raw3d, fmt, n_out: int, n_in: int, x, expert_ids, out=None, i
 
 #: format name -> kind here: legacy.KIND (Q4_0..Q5_1, legacy._matmul) and 4 for Q8_0
 LEGACY_F32_KIND = dict(_legacy.KIND, Q8_0=4)
-_QK = _legacy.QK
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -184,12 +183,8 @@ def _grouped_legacy_f32(kind, raw3d, lut, x, order, starts, experts, n_used, out
         for pair in range(c * chunk, min(n_pairs, c * chunk + chunk)):
             r0 = 2 * pair
             r1 = min(r0 + 1, n_out - 1)
-            if kind == 4:
-                _legacy._q8_0_decode_row(raw3d[e, r0], lut, w0, _QK)
-                _legacy._q8_0_decode_row(raw3d[e, r1], lut, w1, _QK)
-            else:
-                _legacy._decode_row_f32(kind, raw3d[e, r0], lut, w0)
-                _legacy._decode_row_f32(kind, raw3d[e, r1], lut, w1)
+            _legacy._decode_row_f32(kind, raw3d[e, r0], lut, w0)
+            _legacy._decode_row_f32(kind, raw3d[e, r1], lut, w1)
             for pos in range(starts[i], starts[i + 1]):
                 p = order[pos]
                 out[p, r0], out[p, r1] = _legacy.dot_two_rows(w0, w1, x, p // n_used)

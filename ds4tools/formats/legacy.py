@@ -123,13 +123,12 @@ def dot_two_rows(w0, w1, x, t):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _q8_0_matmul(raw, lut, x, out, qk):
+def _q8_0_matmul(raw, lut, x, out):
     # Decode two rows to floats (d * q, exactly the dequantized weights: DECODE_F32_Q8_0), then
     # for each activation row one pass computing both flat dots: the x loads are shared and two
     # reductions are in flight. Every row goes through this same two-row code (an odd last row
     # is paired with itself), so a row's result never depends on its neighbour, on k or on
-    # where a thread's chunk starts: batched verification depends on that. qk: unused, kept
-    # for the signature.
+    # where a thread's chunk starts: batched verification depends on that.
     n_out = raw.shape[0]
     k, n_in = x.shape
     n_pairs = (n_out + 1) // 2
@@ -570,7 +569,7 @@ class Q8_0(QuantFormat):
         return out
 
     def _cpu_matmul(self, raw, x, out):
-        _q8_0_matmul(raw, FP16_TO_FP32, x, out, QK)
+        _q8_0_matmul(raw, FP16_TO_FP32, x, out)
 
     def _cpu_matmul_q8(self, raw, act, out):
         matmul_q8_tiles(_Q8_KIND_Q8_0, raw, act, out)
@@ -922,7 +921,8 @@ def _dequantize(kind, raw, lut, out, half):
 
 @njit(cache=True)
 def _decode_row_f32(kind, rr, lut, w):
-    # bit-identical to _decode_row (tests/test_formats_int8_legacy.py), as vector IR: 3x faster
+    # bit-identical to _decode_row (kinds 0..3) and _q8_0_decode_row (4: Q8_0)
+    # (tests/test_formats_int8_legacy.py), as vector IR: 3x faster
     nb = w.shape[0] // QK
     if kind == 0:
         DECODE_F32_Q4_0(rr, lut, w, nb)
@@ -930,8 +930,10 @@ def _decode_row_f32(kind, rr, lut, w):
         DECODE_F32_Q4_1(rr, lut, w, nb)
     elif kind == 2:
         DECODE_F32_Q5_0(rr, lut, w, nb)
-    else:
+    elif kind == 3:
         DECODE_F32_Q5_1(rr, lut, w, nb)
+    else:
+        DECODE_F32_Q8_0(rr, lut, w, nb)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
