@@ -880,6 +880,15 @@ def _iq2_xxs_grid(builder):
     return grid
 
 
+def _iq2_xxs_point(builder, grid, opaque_rp, off):
+    """The grid point (i64) whose index is the row's byte at ``off``, that byte loaded as
+    stored through opaque_rp (_opaque_ptr of the row) and the point from ``grid``
+    (_iq2_xxs_grid): one byte load and one 8-byte load, where AVX2 has no fast gather."""
+    ib = builder.load(builder.gep(opaque_rp, [off]))
+    return builder.load(builder.gep(grid, [ir.Constant(_I32, 0), builder.zext(ib, _I64)]),
+                        align=8)
+
+
 def _iq2_xxs_sign_bytes(builder, q1):
     """<64 x i8>, byte 4i + l: the 8 signs of block i's slot l (bit j set: value 8l + j
     negative): the 7 stored bits (q1 >> 7l) & 127 and their parity as bit 7."""
@@ -933,9 +942,8 @@ def _emit_iq2_xxs_natural(context, builder, rp, lutp, g, nvalid, xps, base):
         for j in range(8):  # block 8w + j: block j of super-block w
             pts = ir.Constant(v4i64, None)
             for l in range(4):
-                ib = builder.load(builder.gep(opaque_rp, [builder.add(sob, _const(2 + 8 * j + l))]))
-                point = builder.load(builder.gep(grid, [ir.Constant(_I32, 0),
-                                                        builder.zext(ib, _I64)]), align=8)
+                point = _iq2_xxs_point(builder, grid, opaque_rp,
+                                       builder.add(sob, _const(2 + 8 * j + l)))
                 pts = builder.insert_element(pts, point, ir.Constant(_I32, l))
             mag = builder.bitcast(pts, v32i8)
             sw = builder.load(builder.gep(swp, [builder.add(builder.mul(w, _const(8)),
@@ -995,11 +1003,9 @@ def _emit_iq2_xxs_group(context, builder, rp, lutp, g, nvalid=None, split=False)
             return builder.call(gather, [ptrs, ir.Constant(_I32, 8), all_lanes,
                                          ir.Constant(v16i64, None)])
         gv = ir.Constant(v16i64, None)
-        for i in range(16):  # each index byte loaded from the row as it is (see _opaque_ptr)
-            ib = builder.load(builder.gep(opaque_rp, [builder.add(so[i // 8],
-                                                                  _const(2 + 8 * (i % 8) + l))]))
-            point = builder.load(builder.gep(grid, [ir.Constant(_I32, 0), builder.zext(ib, _I64)]),
-                                 align=8)
+        for i in range(16):
+            point = _iq2_xxs_point(builder, grid, opaque_rp,
+                                   builder.add(so[i // 8], _const(2 + 8 * (i % 8) + l)))
             gv = builder.insert_element(gv, point, ir.Constant(_I32, i))
         return gv
     sw = _iq2_xxs_sign_bytes(builder, q1)
