@@ -12,7 +12,8 @@ from numba import njit
 from ds4tools import formats
 from ds4tools.engine import Engine, KVCache
 from ds4tools.engine import kernels
-from ds4tools.engine.transformer import Transformer
+from ds4tools.engine.transformer import (PARALLEL_WHEN_IDLE_FROM_BYTES, SINGLE_THREAD_BELOW_BYTES,
+                                          Transformer, one_thread_for)
 from tests.reference_model import RefConfig, write_random_model
 
 CFG = RefConfig("qwen3", n_vocab=300, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=512)
@@ -20,8 +21,8 @@ LLAMA = RefConfig("llama", n_vocab=300, n_embd=256, n_layer=2, n_head=4, n_head_
 N = 72
 TOKENS = np.random.default_rng(11).integers(0, 300, N)
 
-# (architecture, weight format, int8 path, cache type, threads): the tiny test models would run
-# single-threaded (Transformer.single_thread); "par" forces the parallel kernels on all threads.
+# (architecture, weight format, int8 path, cache type, threads): "one" runs the short batches on
+# one thread (Transformer.single_thread), "par" the parallel kernels on all threads.
 SETUPS = [
     ("qwen3", "Q8_0", False, "f32", "par"),
     ("qwen3", "IQ4_NL", True, "f32", "par"),  # a format with ggml's int8-activation path
@@ -44,8 +45,7 @@ def _engine(model_dir, arch, fmt, int8, cache_type, threads="one", **kw):
     eng = Engine(path, exact=not int8, int8="all", cache_type=cache_type, **kw)
     if int8:
         assert all(lin.int8 for lin in eng.weights.linears())
-    assert eng.model.single_thread  # small: one thread by default
-    eng.model.single_thread = threads == "one"
+    eng.model.single_thread = threads == "one"  # (by default: by size and load)
     return eng
 
 
@@ -96,6 +96,17 @@ def test_truncate_and_redecode_equals_fresh_prefill(model_dir, setup):
     eng.forward(TOKENS[:50], 0, logits="none")
     np.testing.assert_array_equal(eng.forward(other, 30).logits, fresh)
     assert eng.cache.length == 50
+
+
+def test_small_models_take_one_thread_unless_the_cores_are_free():
+    tiny, mid, big = (PARALLEL_WHEN_IDLE_FROM_BYTES - 1, PARALLEL_WHEN_IDLE_FROM_BYTES,
+                      SINGLE_THREAD_BELOW_BYTES)
+    assert one_thread_for(tiny, 2, 0.0, 2)  # kernels shorter than starting a parallel region
+    assert not one_thread_for(mid, 2, 0.3, 2)  # idle cores: split the matmuls
+    assert one_thread_for(mid, 2, 1.0, 2)  # one core busy: two threads would wait on it
+    assert not one_thread_for(mid, 4, 3.0, 8)
+    assert one_thread_for(mid, 2, None, 2)  # load unknown: as before
+    assert not one_thread_for(big, 2, 8.0, 2)  # large models always take their threads
 
 
 def test_snapshot_restore(model_dir):

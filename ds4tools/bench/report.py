@@ -78,8 +78,9 @@ def render_table(doc: dict) -> str:
     out.append(f"memcpy {sy['memcpy_gbps']:.2f} GB/s (numpy copy, bytes read per second, this run); "
                f"a decode step reads {_size(m['weight_bytes_per_token'])} of weights (GB/s column)")
     if sy["single_thread_kernels"]:
-        out.append("this model's matrices are so small that its kernels run on one thread, "
-                   "whatever --threads says (docs/engine.md)")
+        out.append("this model's matrices are so small that its short batches run on one "
+                   "thread, whatever --threads says (or, up to 1 MiB, the CPUs were busy: "
+                   "docs/engine.md)")
     if doc["rk"]:
         out.append(f"r(k) = time of a k-token forward / time of a 1-token forward, at depth "
                    f"{st['depth']}; {'synthetic' if st['prompt'] == 'synthetic' else 'text'} prompt of "
