@@ -13,7 +13,7 @@ from ds4tools import formats
 from ds4tools.engine import Engine, KVCache
 from ds4tools.engine import kernels
 from ds4tools.engine.transformer import (PARALLEL_WHEN_IDLE_FROM_BYTES, SINGLE_THREAD_BELOW_BYTES,
-                                          Transformer, one_thread_for)
+                                          Transformer, _local_ranks, one_thread_for)
 from tests.reference_model import RefConfig, write_random_model
 
 CFG = RefConfig("qwen3", n_vocab=300, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=512)
@@ -98,7 +98,7 @@ def test_truncate_and_redecode_equals_fresh_prefill(model_dir, setup):
     assert eng.cache.length == 50
 
 
-def test_small_models_take_one_thread_unless_the_cores_are_free():
+def test_small_models_take_one_thread_unless_the_cores_are_free(monkeypatch):
     tiny, mid, big = (PARALLEL_WHEN_IDLE_FROM_BYTES - 1, PARALLEL_WHEN_IDLE_FROM_BYTES,
                       SINGLE_THREAD_BELOW_BYTES)
     assert one_thread_for(tiny, 2, 0.0, 2)  # kernels shorter than starting a parallel region
@@ -107,6 +107,10 @@ def test_small_models_take_one_thread_unless_the_cores_are_free():
     assert not one_thread_for(mid, 4, 3.0, 8)
     assert one_thread_for(mid, 2, None, 2)  # load unknown: as before
     assert not one_thread_for(big, 2, 8.0, 2)  # large models always take their threads
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")  # two ranks of 2 threads on 2 idle CPUs
+    assert _local_ranks() == 2 and one_thread_for(mid, 2 * _local_ranks(), 0.0, 2)
+    monkeypatch.delenv("MPI_LOCALNRANKS")
+    assert _local_ranks() == 1
 
 
 def test_snapshot_restore(model_dir):

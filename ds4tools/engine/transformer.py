@@ -40,19 +40,23 @@ MAX_CHUNK = 512
 #: time than starting a parallel region (tiny demo model, 2 threads on loaded cores: 170 t/s
 #: against 540 t/s on one). The same compiled kernels run either way, so results are the same.
 SINGLE_THREAD_BELOW_BYTES = 1 << 20
-#: ... but from this size on only where the CPUs are busy (load average): on idle cores its
-#: matmuls are long enough to split (demo model, largest matrix 408 KiB, 2 idle cores, AVX2
-#: code: 680 us a token on one thread, 540 on two; on cores busy with another job of 2 threads
-#: two threads take twice as long as one)
+#: ... except for batches of at least this many rows (prefill), whose kernels are long enough to
+#: split over the threads (demo model, 512-token prefill on 2 threads: 13.5-15K t/s against 9.5K)
+SINGLE_THREAD_BELOW_ROWS = 64
+#: a model whose largest matrix is between this and SINGLE_THREAD_BELOW_BYTES runs on one thread
+#: only where the CPUs are busy (load average): on idle cores its matmuls are long enough to
+#: split (demo model, largest matrix 408 KiB, 2 idle cores, AVX2 code: 680 us a token on one
+#: thread, 540 on two); on cores busy with another job two threads take twice as long as one,
+#: and MPI ranks that each took 2 threads on 2 cores ran the TP tests 4.7x slower
 PARALLEL_WHEN_IDLE_FROM_BYTES = 1 << 18
 
 
 def one_thread_for(largest_bytes: int, threads: int, load: float | None, cpus: int) -> bool:
     """Whether a model whose largest matrix has ``largest_bytes`` runs its short batches on one
-    thread, with ``threads`` threads set, the 1-minute load average ``load`` (None: unknown)
-    on ``cpus`` CPUs: below PARALLEL_WHEN_IDLE_FROM_BYTES always, below
-    SINGLE_THREAD_BELOW_BYTES unless the CPUs have a free core for every thread (as ``make
-    --load-average`` judges it)."""
+    thread, with ``threads`` threads set (in all, over the MPI ranks on this host), the 1-minute
+    load average ``load`` (None: unknown) on ``cpus`` CPUs: below PARALLEL_WHEN_IDLE_FROM_BYTES
+    always, below SINGLE_THREAD_BELOW_BYTES unless the CPUs have a free core for every thread
+    (as ``make --load-average`` judges it)."""
     if largest_bytes >= SINGLE_THREAD_BELOW_BYTES:
         return False
     if largest_bytes < PARALLEL_WHEN_IDLE_FROM_BYTES or load is None:
@@ -67,14 +71,20 @@ def _load_average() -> float | None:
         return None
 
 
+def _local_ranks() -> int:
+    """The processes of this MPI job on this host (MPICH's mpiexec says; 1 outside MPI): they
+    start together, so the load average does not show the other ranks' threads yet."""
+    try:
+        return max(1, int(os.environ.get("MPI_LOCALNRANKS", "1")))
+    except ValueError:
+        return 1
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-#: ... except for batches of at least this many rows (prefill), whose kernels are long enough to
-#: split over the threads (demo model, 512-token prefill on 2 threads: 13.5-15K t/s against 9.5K)
-SINGLE_THREAD_BELOW_ROWS = 64
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -198,7 +208,8 @@ class Transformer:
         self.cache_type = cache_type
         self.cache = self.new_cache()
         self.single_thread = one_thread_for(max(lin.nbytes for lin in weights.linears()),
-                                            numba.get_num_threads(), _load_average(), _cpus())
+                                            numba.get_num_threads() * _local_ranks(),
+                                            _load_average(), _cpus())
 
     @contextmanager
     def threads(self, rows: int = 1):
