@@ -167,10 +167,14 @@ def test_int8_path_policy(models):
                            if fmt == "F16" else None)
         assert formats.FORMATS[fmt].has_int8_matmul == (fmt != "F16")
         for lin in Engine(path).weights.linears():
-            assert lin.int8 == (lin.fmt.has_int8_matmul and lin.n_in >= lin.fmt.int8_min_row), lin
+            assert lin.int8 == (lin.fmt.has_int8_matmul and lin.n_in >= lin.fmt.int8_min_row
+                                and lin.n_out * lin.n_in >= lin.fmt.int8_min_weights), lin
         assert all(lin.int8 == lin.fmt.has_int8_matmul for lin in Engine(path, int8="all").weights.linears())
         assert {lin.int8 for lin in Engine(path, int8="none").weights.linears()} == {False}
         assert {lin.int8 for lin in Engine(path, int8="all", exact=True).weights.linears()} == {False}
     q8 = formats.FORMATS["Q8_0"]
     assert int8_for(q8, "default", 4096) and not int8_for(q8, "default", q8.int8_min_row - 32)
     assert int8_for(q8, "all", 64) and not int8_for(q8, "none", 4096)
+    # a small matrix stays in float32 however long its rows (the int8 path's cost per call)
+    assert int8_for(q8, "default", 1024, 256) and not int8_for(q8, "default", 1024, 255)
+    assert int8_for(formats.FORMATS["Q4_K"], "default", 256, 16)  # its float32 path is slow

@@ -19,17 +19,20 @@ from .hparams import HParams
 INT8_MODES = ("default", "all", "none")
 
 
-def int8_for(fmt, mode: str, n_in: int | None = None) -> bool:
-    """Whether a matrix of format ``fmt`` with rows of ``n_in`` takes the int8-activation path:
-    "default" where the format has one and the rows are long enough for it to pay
-    (``fmt.int8_min_row``: short rows run faster in float32), "all" wherever the format has one,
+def int8_for(fmt, mode: str, n_in: int | None = None, n_out: int | None = None) -> bool:
+    """Whether a matrix of format ``fmt`` with rows of ``n_in`` (``n_out`` of them) takes the
+    int8-activation path: "default" where the format has one and the matrix is large enough for
+    it to pay (``fmt.int8_min_row``, ``fmt.int8_min_weights``: short rows and small matrices
+    run faster in float32), "all" wherever the format has one,
     "none" nowhere (float32 everywhere: ``--exact``). The choice is per matrix and fixed at
     load time, so a token's result never depends on its batch."""
     if mode not in INT8_MODES:
         raise ValueError(f"unknown int8 mode {mode!r} (use {', '.join(INT8_MODES)})")
     if not fmt.has_int8_matmul or mode == "none":
         return False
-    return mode == "all" or n_in is None or n_in >= fmt.int8_min_row
+    if mode == "all" or n_in is None:
+        return True
+    return n_in >= fmt.int8_min_row and (n_out is None or n_out * n_in >= fmt.int8_min_weights)
 
 
 class SharedInput:
@@ -56,7 +59,7 @@ class WeightsError(ValueError):
 class Linear:
     """y = x @ W.T with W (n_out, n_in) kept as raw GGUF blocks."""
 
-    __slots__ = ("name", "raw", "fmt", "n_out", "n_in", "int8")
+    __slots__ = ("name", "raw", "fmt", "n_out", "n_in", "int8", "whole_n_out")
 
     def __init__(self, name: str, raw: np.ndarray, fmt, shape, *, int8: bool = False):
         self.name = name
@@ -72,6 +75,9 @@ class Linear:
             raise WeightsError(f"tensor {name}: data is not contiguous")
         #: whether matmul takes ggml's int8-activation path (faster, not exact to f32)
         self.int8 = bool(int8 and self.fmt.has_int8_matmul)
+        #: the rows of the whole matrix this one is a slice of (a tensor-parallel shard), which
+        #: int8_for judges, so every rank takes the path of the unsplit matrix
+        self.whole_n_out = self.n_out
 
     @classmethod
     def from_float(cls, name: str, w: np.ndarray, fmt, **kw) -> "Linear":
@@ -155,7 +161,7 @@ class ModelWeights:
         """Choose the matmul path of every matrix (see int8_for): "none" is the exact float32
         path everywhere."""
         for lin in self.linears():
-            lin.int8 = int8_for(lin.fmt, mode, lin.n_in)
+            lin.int8 = int8_for(lin.fmt, mode, lin.n_in, getattr(lin, "whole_n_out", lin.n_out))
 
 
 # --- loading from GGUF tensors ---------------------------------------------------------------
@@ -196,7 +202,8 @@ def _linear(tensors: dict, name: str, n_out: int, n_in: int, int8: str) -> Linea
         raise WeightsError(f"tensor {name}: row length {n_in} is not a multiple of "
                            f"{fmt.name}'s block size {fmt.block_size}")
     # np.asarray: a plain ndarray view of the memory map (numba dispatches faster on it)
-    return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in), int8=int8_for(fmt, int8, n_in))
+    return Linear(name, np.asarray(t.raw()), fmt, (n_out, n_in),
+                  int8=int8_for(fmt, int8, n_in, n_out))
 
 
 def load_layer(tensors: dict, prefix: str, hp: HParams, int8: str) -> LayerWeights:
@@ -236,7 +243,7 @@ def load_weights(tensors: dict, hp: HParams, *, int8: str = "default") -> ModelW
     tied = "output.weight" not in tensors
     if tied:  # the same bytes, as a separate Linear so its matmul path can differ
         output = Linear(token_embd.name, token_embd.raw, token_embd.fmt, token_embd.shape,
-                        int8=int8_for(token_embd.fmt, int8, H))
+                        int8=int8_for(token_embd.fmt, int8, H, hp.n_vocab))
     else:
         output = _linear(tensors, "output.weight", hp.n_vocab, H, int8)
     rope_freqs = _vector(tensors, "rope_freqs.weight", hp.n_rot // 2, required=False)

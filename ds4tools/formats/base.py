@@ -74,6 +74,10 @@ class QuantFormat:
     #: shorter rows are padded to the kernel's tile width and a small matmul is dominated by
     #: per-row set-up, so the engine's default mode keeps float32 activations below it
     int8_min_row: int = 0
+    #: ... and the fewest weights (n_out x n_in) for which it does: the int8 path pays a fixed
+    #: cost per call (quantizing the activations, its layout, one more dispatch), which a small
+    #: matrix's faster dots do not earn back
+    int8_min_weights: int = 0
 
     @property
     def has_int8_matmul(self) -> bool:

@@ -18,7 +18,7 @@ from numba import njit, prange
 from .base import QuantFormat, register
 from . import _simd
 from ._int8dot import IQ4_NL_LEVELS
-from .legacy import INT8_MIN_ROW_FUSED, KIND_IQ4_NL, _matmul_q8, matmul_q8_tiles
+from .legacy import INT8_MIN_ROW_FUSED, INT8_MIN_WEIGHTS_FUSED, KIND_IQ4_NL, _matmul_q8, matmul_q8_tiles
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
 
 QK = 32
@@ -223,6 +223,7 @@ class IQ4_NL(QuantFormat):
     uses_imatrix = True
     act_type = "Q8_0"
     int8_min_row = INT8_MIN_ROW_FUSED
+    int8_min_weights = INT8_MIN_WEIGHTS_FUSED
     #: the int8 path's numba kernel (for the assembly checks)
     q8_kernel = _matmul_q8
 

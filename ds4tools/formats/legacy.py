@@ -162,6 +162,13 @@ KIND_IQ4_NL = 5
 #: rows are multiples of 256: 0.33 0.18 0.16 0.12 at n_in 256 512 768 1024; k=8 1.04 0.45 0.44
 #: 0.29)
 INT8_MIN_ROW_FUSED = 8 * QK
+#: ... and from this many weights: below it the float32 path wins at k = 1 on 2 threads, by the
+#: int8 path's fixed cost per call (int8 / f32 time including the activations' quantization,
+#: AVX2 code, n_out 192 / 384 / 768: n_in 576 Q8_0 1.71 / 1.22 / 0.92; n_in 1024 Q8_0 1.13 /
+#: 0.76 / 0.59, Q4_0 1.19 / 0.80 / 0.56, IQ4_NL 1.06 / 0.74 / 0.58, Q5_1 1.06 / 0.82 / 0.69; the
+#: native AVX-512 code within 0.15 of these). The demo model's 192 x 576 ffn_down is one: its
+#: decoding step 521-548 -> 468-478 us in float32 (AVX2 code, 2 threads)
+INT8_MIN_WEIGHTS_FUSED = 1 << 18
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 #: up to this many tokens (decoding, a drafter's step, a verify) take the fused kernels, each
 #: row unpacked once for all of them (Zen 4, Q8_0 2816x1024 from DRAM, 2 threads, k = 4:
@@ -556,6 +563,7 @@ class Q8_0(QuantFormat):
     uses_imatrix = False  # ggml's quantize_q8_0 ignores importance weights
     act_type = "Q8_0"
     int8_min_row = INT8_MIN_ROW_FUSED
+    int8_min_weights = INT8_MIN_WEIGHTS_FUSED
     q8_kernel = _matmul_q8
 
     def _cpu_quantize(self, x, imatrix):
@@ -965,6 +973,7 @@ class _Legacy32(QuantFormat):
     uses_imatrix = True
     act_type = "Q8_0"
     int8_min_row = INT8_MIN_ROW_FUSED
+    int8_min_weights = INT8_MIN_WEIGHTS_FUSED
     q8_kernel = _matmul_q8
 
     @property

@@ -105,7 +105,9 @@ class Group:
 
 def row_slice(lin: Linear, lo: int, hi: int) -> Linear:
     """Rows [lo, hi) of a matrix: a view of its raw blocks (no copy)."""
-    return Linear(lin.name, lin.raw[lo:hi], lin.fmt, (hi - lo, lin.n_in), int8=lin.int8)
+    part = Linear(lin.name, lin.raw[lo:hi], lin.fmt, (hi - lo, lin.n_in), int8=lin.int8)
+    part.whole_n_out = lin.whole_n_out
+    return part
 
 
 class GatheredLinear:
