@@ -129,9 +129,9 @@ def main(argv=None) -> int:
 
     engine = Engine(model, threads=args.threads)
     load = os.getloadavg()[0]
+    one = " (short batches on one: the CPUs were busy)" if engine.model.single_thread else ""
     log(f"demo model {model}; {len(prompts)} prompts x {args.tokens} tokens; threads "
-        f"{engine.threads}{' (short batches on one: the CPUs were busy)' if engine.model.single_thread else ''}; "
-        f"load average {load:.2f}")
+        f"{engine.threads}{one}; load average {load:.2f}")
     ids = engine.tokenize(prompts[0])
     curve = verify_cost_curve(engine, ids)
     log("r(k) = time(k-token forward) / time(1-token forward): "

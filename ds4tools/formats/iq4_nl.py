@@ -18,7 +18,8 @@ from numba import njit, prange
 from .base import QuantFormat, register
 from . import _simd
 from ._int8dot import IQ4_NL_LEVELS
-from .legacy import INT8_MIN_ROW_FUSED, INT8_MIN_WEIGHTS_FUSED, KIND_IQ4_NL, _matmul_q8, matmul_q8_tiles
+from .legacy import (INT8_MIN_ROW_FUSED, INT8_MIN_WEIGHTS_FUSED, KIND_IQ4_NL, _matmul_q8,
+                     matmul_q8_tiles)
 from ._numeric import FP16_TO_FP32, fp16_bits, fp16_to_fp32, fp32_to_fp16, put_fp16
 
 QK = 32

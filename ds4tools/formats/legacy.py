@@ -167,7 +167,7 @@ INT8_MIN_ROW_FUSED = 8 * QK
 #: AVX2 code, n_out 192 / 384 / 768: n_in 576 Q8_0 1.71 / 1.22 / 0.92; n_in 1024 Q8_0 1.13 /
 #: 0.76 / 0.59, Q4_0 1.19 / 0.80 / 0.56, IQ4_NL 1.06 / 0.74 / 0.58, Q5_1 1.06 / 0.82 / 0.69; the
 #: native AVX-512 code within 0.15 of these). The demo model's 192 x 576 ffn_down is one: its
-#: decoding step 521-548 -> 468-478 us in float32 (AVX2 code, 2 threads)
+#: decoding step 521-548 -> 465-478 us in float32 (AVX2 code, 2 threads)
 INT8_MIN_WEIGHTS_FUSED = 1 << 18
 _Q8_ROWS_PER_TASK = 16  # weight rows per prange task (scratch allocated once per task)
 #: up to this many tokens (decoding, a drafter's step, a verify) take the fused kernels, each
