@@ -918,7 +918,7 @@ def _emit_iq2_xxs_natural(context, builder, rp, lutp, g, nvalid, xps, base):
     us to 209 / 306 / 435 / 713. AVX-512 hosts without VBMI keep the group layout, where the
     gathers make it faster (AVX-512 VNNI code, k = 8: 479 us against 612 for this order).
     Returns ([<16 x i32> per token], dw)."""
-    v8i32, v16i32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+    v8i32 = ir.VectorType(_I32, 8)
     v32i8, v4i64 = ir.VectorType(_I8, 32), ir.VectorType(_I64, 4)
     _, q1, dw, so = _iq2_xxs_words(context, builder, rp, lutp, g, nvalid)
     grid = _iq2_xxs_grid(builder)
